@@ -1,0 +1,43 @@
+from setuptools import find_packages, setup
+
+# torch is bounded below only: install the build that fits your machine first
+# (CPU: `pip install torch==2.13.0`; GPU: the CUDA wheel your cluster uses).
+BASE = [
+    "torch>=2.4",
+    "transformers>=4.50",
+    "datasets>=2.19",
+    "safetensors>=0.4",
+    "math-verify>=0.7",
+    "sympy>=1.12",
+    "pyyaml>=6.0",
+    "tqdm>=4.66",
+    "tensorboard>=2.15",
+    "matplotlib>=3.7",
+]
+
+EXTRAS = {
+    "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    "ray": ["ray[default]>=2.40"],
+    # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
+    "megatron": ["megatron-core>=0.13", "mbridge>=0.15"],
+    "sglang": ["sglang==0.5.5.post1"],
+    "wandb": ["wandb>=0.17"],
+}
+
+setup(
+    name="slime_sparse",
+    version="0.1.0",
+    description="Sparse-RL: GRPO on compressed-KV rollouts, in a slime-style framework",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["slime_sparse", "slime_sparse.*", "sglang_patches", "sglang_patches.*"]),
+    install_requires=BASE,
+    extras_require=EXTRAS,
+    entry_points={
+        "console_scripts": [
+            "slime-sparse-train=slime_sparse.train:main",
+            "slime-sparse-eval=slime_sparse.eval:main",
+        ],
+    },
+)
