@@ -1,0 +1,64 @@
+"""The contract between the training loop and a learner backend (embedded PyTorch, Megatron).
+
+Learners never see engines: the loop hands them plain ragged per-sample data and gets back log-probs,
+metrics and weights. Every backend computes the loss with `slime_sparse.algo.policy_loss`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Protocol
+
+import torch
+
+
+@dataclass
+class TrainBatch:
+    """Ragged per-sample training data; row i is `tokens[i]` = prompt + response.
+
+    Per-token fields hold one value per *response* token (length `response_lens[i]`).
+    `num_seqs` / `num_tokens` are the normalisers of the whole optimizer step (all micro-batches and
+    data-parallel ranks), so each micro-batch's loss is scaled to sum to the global aggregate.
+    """
+
+    tokens: list[list[int]]
+    response_lens: list[int]
+    advantages: torch.Tensor  # [N] per sequence
+    loss_masks: list[torch.Tensor]  # after sparsity correction (rejected tokens/sequences are 0)
+    old_logprobs: list[torch.Tensor] | None = None  # pi_old, dense recompute
+    ref_logprobs: list[torch.Tensor] | None = None
+    weights: list[torch.Tensor] | None = None  # sparsity-correction weights xi (detached)
+    num_seqs: float | None = None
+    num_tokens: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def select(self, idx: list[int]) -> "TrainBatch":
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return TrainBatch(
+            tokens=pick(self.tokens),
+            response_lens=pick(self.response_lens),
+            advantages=self.advantages[idx],
+            loss_masks=pick(self.loss_masks),
+            old_logprobs=pick(self.old_logprobs),
+            ref_logprobs=pick(self.ref_logprobs),
+            weights=pick(self.weights),
+            num_seqs=self.num_seqs,
+            num_tokens=self.num_tokens,
+        )
+
+
+class Learner(Protocol):
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
+        """Dense (full-context) log-probs of each response token, from logits / rollout temperature as slime
+        does, so that xi = pi_old / pi_sparse compares distributions at the same temperature."""
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over `batch` (micro-batched inside); returns metrics (loss, grad_norm, ...)."""
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full (gathered) weights under Hugging Face names, for syncing rollout engines."""
+
+    def save(self, path: str, extra: dict) -> None: ...
+
+    def load(self, path: str) -> dict: ...

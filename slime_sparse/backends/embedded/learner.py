@@ -1,0 +1,141 @@
+"""Embedded learner: a plain PyTorch learner on a Hugging Face causal LM (CPU or one GPU per rank).
+
+Data parallel when torch.distributed is initialised (Ray learner group): every rank runs its shard
+with the step's *global* normalisers, so summing gradients across ranks gives the full-batch gradient.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from slime_sparse.algo import LossConfig, policy_loss
+from slime_sparse.backends.base import TrainBatch
+from slime_sparse.backends.batching import pack_by_tokens
+from slime_sparse.backends.logprobs import pad_right, response_logprobs
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device=cuda but CUDA is not available")
+    return torch.device(name)
+
+
+def warmup_lambda(warmup_iters: int):
+    return lambda step: min(1.0, (step + 1) / warmup_iters) if warmup_iters > 0 else 1.0
+
+
+class EmbeddedLearner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        loss_cfg: LossConfig,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_iters: int = 0,
+        clip_grad: float = 1.0,
+        max_tokens: int = 16384,
+        temperature: float = 1.0,
+        need_ref: bool = False,
+    ):
+        self.model = model
+        self.loss_cfg = loss_cfg
+        self.clip_grad = clip_grad
+        self.max_tokens = max_tokens
+        self.temperature = temperature
+        self.ref_model = None
+        if need_ref:  # frozen copy of the starting policy for the KL term
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(warmup_iters))
+        self.step = 0
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- dense recompute -------------------------------------------------------------------
+    @torch.no_grad()
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
+        model = self.ref_model if ref else self.model
+        if model is None:
+            raise ValueError("reference log-probs requested but the learner was built without a reference model")
+        was_training = model.training
+        model.eval()
+        out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
+        for idx in pack_by_tokens([len(t) for t in tokens], self.max_tokens):
+            logp, _ = response_logprobs(model, [tokens[i] for i in idx], [response_lens[i] for i in idx],
+                                        temperature=self.temperature)
+            for row, i in enumerate(idx):
+                out[i] = logp[row, : response_lens[i]].float().cpu()
+        model.train(was_training)
+        return out
+
+    # ---- update ----------------------------------------------------------------------------
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step over `batch` (this rank's shard of the global batch)."""
+        if batch.old_logprobs is None:
+            raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
+        if self.loss_cfg.use_kl_loss and batch.ref_logprobs is None:
+            raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
+        if num_seqs is None or num_tokens is None:  # single process, whole batch
+            kept = [m.sum().item() for m in batch.loss_masks]
+            num_seqs = float(sum(k > 0 for k in kept))
+            num_tokens = float(sum(kept))
+        totals: dict[str, float] = {}
+        weight_sum = 0.0
+        loss_total = 0.0
+        for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens):
+            mb = batch.select(idx)
+            logp, entropy = response_logprobs(self.model, mb.tokens, mb.response_lens, temperature=self.temperature,
+                                              with_entropy=self.loss_cfg.entropy_coef != 0)
+            dev = logp.device
+            pad = lambda xs: pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
+            loss, metrics = policy_loss(
+                logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), self.loss_cfg,
+                weights=None if mb.weights is None else pad(mb.weights),
+                logp_ref=None if mb.ref_logprobs is None else pad(mb.ref_logprobs),
+                entropy=entropy, num_seqs=num_seqs, num_tokens=num_tokens,
+            )
+            loss.backward()
+            loss_total += loss.item()
+            w = float(sum(m.sum().item() for m in mb.loss_masks))
+            weight_sum += w
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + v * w
+        if dist.is_available() and dist.is_initialized():
+            self._all_reduce_grads()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.step += 1
+        out = {k: v / weight_sum for k, v in totals.items()} if weight_sum > 0 else {}
+        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/lr": self.scheduler.get_last_lr()[0]})
+        return out
+
+    def _all_reduce_grads(self) -> None:
+        # loss was normalised by global counts: summing shard gradients gives the global gradient
+        for p in self.model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+
+    # ---- weights & state -------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.model.state_dict().items()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.model.load_state_dict(state_dict)
+
+    def state(self) -> dict:
+        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "step": self.step}

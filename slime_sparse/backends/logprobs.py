@@ -1,0 +1,57 @@
+"""Per-token log-probs of response tokens from a Hugging Face causal LM (dense, full context)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def pad_right(rows: list[list[int]] | list[torch.Tensor], pad: float | int = 0, dtype=None, device=None) -> torch.Tensor:
+    """Stack ragged rows into [B, max_len], padding on the right."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), pad, dtype=dtype if dtype is not None else torch.long, device=device)
+    for i, r in enumerate(rows):
+        if len(r):
+            out[i, : len(r)] = torch.as_tensor(r, dtype=out.dtype, device=device)
+    return out
+
+
+def response_mask(response_lens: list[int], device=None) -> torch.Tensor:
+    width = max(response_lens, default=0)
+    return (torch.arange(width, device=device)[None, :] < torch.tensor(response_lens, device=device)[:, None]).float()
+
+
+def response_logprobs(
+    model: torch.nn.Module,
+    tokens: list[list[int]],
+    response_lens: list[int],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, R] (R = max response length, right-padded with 0) of each response token.
+
+    Row i is `tokens[i]` = prompt + response, whose last `response_lens[i]` tokens are the response.
+    Logits are divided by `temperature` (the sampler's), like slime's learner, so that the ratio
+    pi_old / pi_sparse compares the same distribution. Entropy (of the tempered distribution) when asked.
+    """
+    device = next(model.parameters()).device
+    input_ids = pad_right(tokens, device=device)
+    lengths = torch.tensor([len(t) for t in tokens], device=device)
+    attn = (torch.arange(input_ids.shape[1], device=device)[None, :] < lengths[:, None]).long()
+    logits = model(input_ids=input_ids, attention_mask=attn, use_cache=False).logits
+    width = max(response_lens)
+    # logits at position p predict token p + 1: the response tokens [L - r, L) are predicted from [L - r - 1, L - 1)
+    starts = lengths - torch.tensor(response_lens, device=device) - 1
+    offs = torch.arange(width, device=device)
+    pos = (starts[:, None] + offs[None, :]).clamp(min=0, max=input_ids.shape[1] - 1)
+    tgt_pos = (pos + 1).clamp(max=input_ids.shape[1] - 1)
+    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1])).float() / temperature
+    logp_all = F.log_softmax(picked, dim=-1)
+    targets = torch.gather(input_ids, 1, tgt_pos)
+    logp = torch.gather(logp_all, 2, targets[:, :, None]).squeeze(-1)
+    mask = response_mask(response_lens, device=device)
+    logp = logp * mask
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
+    return logp, entropy

@@ -1,0 +1,109 @@
+"""Run megatron-core on CPU (gloo): the three CUDA assumptions it makes, patched in one place.
+
+megatron-core 0.16 builds and runs a GPTModel on the local layer spec with gloo, except for three spots
+that call CUDA unconditionally:
+
+1. the tensor-parallel RNG tracker (`CudaRNGStatesTracker.add/fork` read and write CUDA generator states);
+   it is entered on every attention forward (dropout region), even with dropout 0;
+2. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()` (used by the tensor-parallel
+   all-gathers and by the local attention's score buffer);
+3. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on the first forward.
+
+`apply_cpu_shim()` replaces (1) with a tracker that keeps *CPU* generator states under the same names,
+and runs (2) and (3) with `torch.cuda.current_device()` answering "cpu" for the duration of those two
+calls only. It is a no-op when CUDA is available, idempotent, and touches nothing else. Megatron's own
+DDP buffers, distributed optimizer and pipeline schedules remain CUDA-only: on CPU the learner drives
+the model with a torch optimizer (see learner.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator
+
+import torch
+
+_APPLIED = False
+
+
+@contextlib.contextmanager
+def _current_device_is_cpu() -> Iterator[None]:
+    """Make `torch.cuda.current_device()` return "cpu" inside the block (only used when CUDA is absent)."""
+    original = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = original  # type: ignore[assignment]
+
+
+def _on_cpu(method: Callable) -> Callable:
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with _current_device_is_cpu():
+            return method(*args, **kwargs)
+
+    wrapper.__slime_cpu_shim__ = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _make_cpu_tracker_class():
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        """The tensor-parallel RNG tracker over the CPU generator.
+
+        Same bookkeeping as Megatron's (named states, one seed per name, fork restores the caller's
+        state), so `model_parallel_cuda_manual_seed` works unchanged on top of it.
+        """
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ValueError(f"RNG seed {seed} is already tracked")
+            if name in self.states_:
+                raise ValueError(f"RNG state {name!r} is already tracked")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise ValueError(f"RNG state {name!r} was never added (call model_parallel_cuda_manual_seed)")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    return CpuRNGStatesTracker
+
+
+def apply_cpu_shim() -> bool:
+    """Patch megatron-core for CPU execution when CUDA is absent. Returns True if the shim is active."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core import utils as mutils
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.tensor_parallel import random as mrandom
+
+    tracker_cls = _make_cpu_tracker_class()
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True  # initialize_rng_tracker() keeps ours
+
+    mutils.GlobalMemoryBuffer.get_tensor = _on_cpu(mutils.GlobalMemoryBuffer.get_tensor)
+    rope.RotaryEmbedding.get_emb = _on_cpu(rope.RotaryEmbedding.get_emb)
+    _APPLIED = True
+    return True
+
+
+def shim_active() -> bool:
+    return _APPLIED

@@ -1,0 +1,110 @@
+"""Evaluation: pass@1 / avg@k / pass@k on a local dataset, under dense or compressed-KV inference.
+
+    slime-sparse-eval --hf-checkpoint MODEL --eval-prompt-data test.jsonl --kv-method rkv --kv-budget 512 \
+        --n-samples-per-eval-prompt 4 --output report.json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+from slime_sparse.types import GenerationOutput
+
+
+def score_outputs(outputs: list[GenerationOutput], rewards: list[float], n_samples: int) -> dict[str, float]:
+    """pass@1 = mean correctness of each prompt's first sample; avg@k = mean over all k samples;
+    pass@k = fraction of prompts with at least one correct sample (k = n_samples)."""
+    n_prompts = len(outputs) // n_samples
+    groups = [rewards[i * n_samples:(i + 1) * n_samples] for i in range(n_prompts)]
+    correct = [[r >= 1.0 for r in g] for g in groups]
+    kept = sum(o.kv.kept_kv_tokens for o in outputs)
+    dense = sum(o.kv.dense_kv_tokens for o in outputs)
+    return {
+        "pass@1": sum(c[0] for c in correct) / n_prompts,
+        f"avg@{n_samples}": sum(sum(c) for c in correct) / (n_prompts * n_samples),
+        f"pass@{n_samples}": sum(any(c) for c in correct) / n_prompts,
+        "reward_mean": sum(rewards) / len(rewards),
+        "response_len_mean": sum(len(o.response_ids) for o in outputs) / len(outputs),
+        "kv_savings": 1.0 - kept / dense if dense else 0.0,
+        "n_prompts": float(n_prompts),
+    }
+
+
+def evaluate(engine, records: list, tokenizer, reward_fn, *, sampling, n_samples: int = 1, seed: int = 0) -> dict:
+    prompts = [r.prompt_ids for r in records for _ in range(n_samples)]
+    t0 = time.perf_counter()
+    outputs = engine.generate(prompts, sampling, seed=seed)
+    elapsed = time.perf_counter() - t0
+    texts = tokenizer.batch_decode([o.response_ids for o in outputs], skip_special_tokens=True)
+    labels = [r.label for r in records for _ in range(n_samples)]
+    rewards, counters = reward_fn(texts, labels)
+    report = score_outputs(outputs, list(rewards), n_samples)
+    report["seconds"] = elapsed
+    report.update({f"reward/{k}": float(v) for k, v in counters.items()})
+    return report
+
+
+def eval_sampling(cfg):
+    return dataclasses.replace(cfg.sampling, temperature=cfg.eval.eval_temperature)
+
+
+def evaluate_modes(cfg, comp, *, step: int, logger=None) -> dict[str, dict]:
+    """Evaluate the current weights under dense inference and, when compression is on, under it too."""
+    modes = ["dense", "sparse"] if cfg.kv.enabled else ["dense"]
+    out = {}
+    for mode in modes:
+        engine = comp.eval_engine(mode)
+        if engine is not comp.engine:
+            engine.update_weights(dict(comp.learner.named_weights()))
+        out[mode] = evaluate(engine, comp.eval_records, comp.tokenizer, comp.reward_fn, sampling=eval_sampling(cfg),
+                             n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed + step)
+        if logger is not None:
+            logger.log(step, {f"eval_{mode}/{k}": v for k, v in out[mode].items()})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from slime_sparse.components import build_engine, load_tokenizer
+    from slime_sparse.config import load_config
+    from slime_sparse.data.prompt_dataset import PromptDataset
+    from slime_sparse.reward import get_reward_fn
+
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--output", default="eval_report.json")
+    known, rest = pre.parse_known_args(argv)
+    # evaluation reads the same flags as training; the eval set doubles as --prompt-data
+    if "--prompt-data" not in rest and "--eval-prompt-data" in rest:
+        rest += ["--prompt-data", rest[rest.index("--eval-prompt-data") + 1]]
+    try:
+        cfg = load_config(rest)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
+    data_cfg = dataclasses.replace(cfg.data, prompt_data=cfg.eval.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
+    dataset = PromptDataset(data_cfg, tokenizer)
+    records = [dataset[i] for i in range(len(dataset))]
+    if cfg.eval.eval_max_prompts:
+        records = records[: cfg.eval.eval_max_prompts]
+    sampling = eval_sampling(cfg)
+    if not sampling.stop_token_ids and tokenizer.eos_token_id is not None:
+        sampling = dataclasses.replace(sampling, stop_token_ids=(int(tokenizer.eos_token_id),))
+    reward_fn = get_reward_fn(cfg.reward)
+    engine = build_engine(cfg)
+    report = evaluate(engine, records, tokenizer, reward_fn, sampling=sampling,
+                      n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
+    report.update({"model": cfg.train.hf_checkpoint, "data": data_cfg.prompt_data, "kv": dataclasses.asdict(cfg.kv)})
+    with open(known.output, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=2)
+    print(json.dumps({k: v for k, v in report.items() if k != "kv"}, indent=2))
+    close = getattr(reward_fn, "close", None)
+    if callable(close):
+        close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

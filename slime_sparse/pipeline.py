@@ -1,0 +1,113 @@
+"""From rollout samples to training batches: rewards -> advantages -> dense recompute -> correction.
+
+The steps every backend combination shares, as small functions over plain data. The training loop
+(`slime_sparse.train`) strings them together; learners and engines stay unaware of each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from slime_sparse.algo import (
+    CorrectionConfig,
+    grpo_advantages,
+    kv_metrics,
+    mismatch_metrics,
+    sparsity_correction,
+)
+from slime_sparse.backends.base import TrainBatch
+from slime_sparse.backends.logprobs import pad_right, response_mask
+from slime_sparse.types import GenerationOutput, Sample
+
+
+def to_samples(records: list, outputs: list[GenerationOutput], n_samples: int) -> list[Sample]:
+    """Pair engine outputs (prompt-major: n_samples consecutive outputs per record) with their records."""
+    if len(outputs) != len(records) * n_samples:
+        raise ValueError(f"expected {len(records) * n_samples} outputs for {len(records)} prompts, got {len(outputs)}")
+    samples = []
+    for j, out in enumerate(outputs):
+        rec = records[j // n_samples]
+        samples.append(Sample(
+            prompt_index=rec.index, prompt_ids=list(out.prompt_ids), response_ids=list(out.response_ids),
+            rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=rec.label, kv=out.kv,
+            weight_version=out.weight_version,
+        ))
+    return samples
+
+
+def assign_rewards(samples: list[Sample], tokenizer, reward_fn) -> dict[str, float]:
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    rewards, counters = reward_fn(texts, [s.label for s in samples])
+    for s, r in zip(samples, rewards):
+        s.reward = float(r)
+    lengths = [len(s.response_ids) for s in samples]
+    metrics = {
+        "rollout/reward_mean": sum(rewards) / len(rewards),
+        "rollout/response_len_mean": sum(lengths) / len(lengths),
+        "rollout/response_len_max": float(max(lengths)),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }
+    metrics.update({f"reward/{k}": float(v) for k, v in counters.items()})
+    return metrics
+
+
+@dataclass
+class PreparedRollout:
+    batch: TrainBatch
+    metrics: dict[str, float]
+
+
+def prepare_rollout(
+    samples: list[Sample],
+    learner,
+    correction: CorrectionConfig,
+    *,
+    normalize_std: bool = True,
+    need_ref: bool = False,
+) -> PreparedRollout:
+    """Advantages, dense pi_old (and pi_ref) recompute, and the sparsity correction over the whole rollout.
+
+    The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
+    of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
+    """
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    advantages, adv_metrics = grpo_advantages(rewards, group_ids, normalize_std=normalize_std)
+
+    tokens = [s.prompt_ids + s.response_ids for s in samples]
+    response_lens = [len(s.response_ids) for s in samples]
+    if min(response_lens) == 0:
+        raise ValueError("a sample has an empty response; engines must return at least one token")
+    old = learner.compute_logprobs(tokens, response_lens)
+    ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
+
+    logp_old = pad_right(old, 0.0, dtype=torch.float32)
+    logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
+    mask = response_mask(response_lens)
+    corr = sparsity_correction(logp_old, logp_sparse, mask, correction)
+
+    metrics = {**adv_metrics, **corr.metrics, **mismatch_metrics(logp_old, logp_sparse, mask), **kv_metrics([s.kv for s in samples])}
+    batch = TrainBatch(
+        tokens=tokens,
+        response_lens=response_lens,
+        advantages=advantages,
+        loss_masks=[corr.mask[i, :n] for i, n in enumerate(response_lens)],
+        old_logprobs=old,
+        ref_logprobs=ref,
+        weights=[corr.weights[i, :n] for i, n in enumerate(response_lens)],
+    )
+    return PreparedRollout(batch=batch, metrics=metrics)
+
+
+def split_steps(batch: TrainBatch, n_steps: int) -> list[TrainBatch]:
+    """Cut a rollout into `n_steps` global batches (in order, like slime), each with its own normalisers."""
+    size = len(batch) // n_steps
+    out = []
+    for k in range(n_steps):
+        part = batch.select(list(range(k * size, (k + 1) * size)))
+        kept = [float(m.sum()) for m in part.loss_masks]
+        part.num_seqs = float(sum(x > 0 for x in kept))
+        part.num_tokens = float(sum(kept))
+        out.append(part)
+    return out

@@ -1,0 +1,129 @@
+"""The Sparse-RL training loop: one loop for every combination of rollout engine and learner backend.
+
+rollout (n samples per prompt, compressed KV) -> reward -> group advantages -> dense recompute of
+pi_old (and pi_ref) -> sparsity correction -> optimizer steps -> weight sync -> metrics -> eval/checkpoint.
+
+    slime-sparse-train --hf-checkpoint MODEL_DIR --prompt-data train.jsonl --kv-method rkv --kv-budget 512 ...
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+from slime_sparse.components import Components, build_components
+from slime_sparse.config import RunConfig, load_config, save_config
+from slime_sparse.eval import evaluate_modes
+from slime_sparse.pipeline import assign_rewards, prepare_rollout, split_steps, to_samples
+from slime_sparse.utils.checkpoint import latest_checkpoint
+from slime_sparse.utils.logging import MetricsLogger
+from slime_sparse.utils.seed import set_seed
+
+logger = logging.getLogger("slime_sparse.train")
+
+
+def rollout_seed(cfg: RunConfig, rollout_id: int) -> int:
+    """Sampling seed of one rollout: a pure function of (seed, rollout id), so a resumed run draws the same."""
+    return cfg.train.seed * 1_000_003 + rollout_id
+
+
+def run_rollout(cfg: RunConfig, comp: Components, rollout_id: int) -> dict[str, float]:
+    n = cfg.rollout.n_samples_per_prompt
+    records = comp.stream.next_batch()
+    prompts = [r.prompt_ids for r in records for _ in range(n)]
+
+    t0 = time.perf_counter()
+    outputs = comp.engine.generate(prompts, cfg.sampling, seed=rollout_seed(cfg, rollout_id))
+    t_rollout = time.perf_counter() - t0
+    samples = to_samples(records, outputs, n)
+    metrics = assign_rewards(samples, comp.tokenizer, comp.reward_fn)
+
+    t1 = time.perf_counter()
+    prepared = prepare_rollout(
+        samples, comp.learner, cfg.correction,
+        normalize_std=cfg.rollout.advantage_estimator == "grpo", need_ref=cfg.loss.use_kl_loss,
+    )
+    t_recompute = time.perf_counter() - t1
+    metrics.update(prepared.metrics)
+
+    t2 = time.perf_counter()
+    step_metrics: list[dict[str, float]] = []
+    for part in split_steps(prepared.batch, cfg.steps_per_rollout):
+        step_metrics.append(comp.learner.train_step(part))
+    t_train = time.perf_counter() - t2
+    for key in sorted({k for m in step_metrics for k in m}):
+        vals = [m[key] for m in step_metrics if key in m]
+        metrics[key] = sum(vals) / len(vals)
+
+    t3 = time.perf_counter()
+    comp.engine.update_weights(dict(comp.learner.named_weights()))
+    t_sync = time.perf_counter() - t3
+
+    n_tokens = sum(len(s.response_ids) for s in samples)
+    metrics.update({
+        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute, "perf/train_s": t_train, "perf/sync_s": t_sync,
+        "perf/rollout_tokens_per_s": n_tokens / max(t_rollout, 1e-9),
+        "rollout/weight_version": float(comp.engine.weight_version),
+    })
+    return metrics
+
+
+def train(cfg: RunConfig) -> dict:
+    """Run (or resume) training; returns a summary (first/last metrics and evaluations)."""
+    os.makedirs(cfg.log.run_dir, exist_ok=True)
+    save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
+    set_seed(cfg.train.seed)
+    comp = build_components(cfg)
+    cfg = comp.cfg  # with resolved stop ids
+    save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
+
+    start = 0
+    resume_from = latest_checkpoint(save_dir)
+    if resume_from:
+        start = comp.load_checkpoint(resume_from)
+        logger.info("resumed from %s at rollout %d", resume_from, start)
+    metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
+                                use_wandb=cfg.log.use_wandb, wandb_project=cfg.log.wandb_project, resume_step=start)
+    summary: dict = {"evals": {}}
+    try:
+        if start == 0 and comp.eval_records:
+            summary["evals"][0] = evaluate_modes(cfg, comp, step=0, logger=metrics_log)
+        progress = comp.progress(range(start, cfg.train.num_rollout), desc="rollouts", initial=start)
+        for rollout_id in progress:
+            metrics = run_rollout(cfg, comp, rollout_id)
+            step = rollout_id + 1
+            metrics_log.log(step, metrics)
+            if rollout_id == start:
+                summary["first"] = metrics
+            summary["last"] = metrics
+            progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
+                                 kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
+                                 rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}")
+            last = step == cfg.train.num_rollout
+            if comp.eval_records and (last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0)):
+                summary["evals"][step] = evaluate_modes(cfg, comp, step=step, logger=metrics_log)
+            if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
+                comp.save_checkpoint(save_dir, step)
+    finally:
+        metrics_log.close()
+        comp.close()
+    with open(os.path.join(cfg.log.run_dir, "summary.json"), "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2, default=float)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(argv)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
