@@ -91,8 +91,7 @@ class EvalConfig:
     eval_prompt_data: str = ""  # local jsonl/parquet; empty: no evaluation
     n_samples_per_eval_prompt: int = 1
     eval_max_prompts: int = 0  # 0: all
-    eval_temperature: float = 0.0  # greedy by default
-    eval_kv_method: str = ""  # "" = the rollout's method; "none" = dense
+    eval_temperature: float = 0.0  # greedy by default; evaluated densely and, if on, under the rollout's compression
 
     def validate(self) -> None:
         _positive(self, "n_samples_per_eval_prompt", "--n-samples-per-eval-prompt")
@@ -299,6 +298,9 @@ def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> R
         if section == "data":
             values = {"prompt_data": "", **values}
         built[section] = _build_section(section, cls, values, "config") if values else getattr(defaults, section)
+    if built["loss"].loss_agg_mode == "seq-mean-token-sum-norm" and built["loss"].norm_len is None:
+        # Dr.GRPO's constant normaliser: the generation budget
+        built["loss"] = dataclasses.replace(built["loss"], norm_len=built["sampling"].max_new_tokens)
     cfg = RunConfig(**built)
     cfg.validate()
     return cfg

@@ -40,7 +40,7 @@ def evaluate(engine, records: list, tokenizer, reward_fn, *, sampling, n_samples
     elapsed = time.perf_counter() - t0
     texts = tokenizer.batch_decode([o.response_ids for o in outputs], skip_special_tokens=True)
     labels = [r.label for r in records for _ in range(n_samples)]
-    rewards, counters = reward_fn(texts, labels)
+    rewards, counters = reward_fn(texts, labels, [{"finish_reason": o.finish_reason} for o in outputs])
     report = score_outputs(outputs, list(rewards), n_samples)
     report["seconds"] = elapsed
     report.update({f"reward/{k}": float(v) for k, v in counters.items()})

@@ -38,7 +38,8 @@ def to_samples(records: list, outputs: list[GenerationOutput], n_samples: int) -
 
 def assign_rewards(samples: list[Sample], tokenizer, reward_fn) -> dict[str, float]:
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    rewards, counters = reward_fn(texts, [s.label for s in samples])
+    extras = [{"finish_reason": s.finish_reason} for s in samples]  # e.g. "no reward for a truncated answer"
+    rewards, counters = reward_fn(texts, [s.label for s in samples], extras)
     for s, r in zip(samples, rewards):
         s.reward = float(r)
     lengths = [len(s.response_ids) for s in samples]

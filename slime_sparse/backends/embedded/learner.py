@@ -93,7 +93,7 @@ class EmbeddedLearner:
             num_seqs = float(sum(k > 0 for k in kept))
             num_tokens = float(sum(kept))
         totals: dict[str, float] = {}
-        weight_sum = 0.0
+        all_rejected = 1.0
         loss_total = 0.0
         for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens):
             mb = batch.select(idx)
@@ -109,17 +109,17 @@ class EmbeddedLearner:
             )
             loss.backward()
             loss_total += loss.item()
-            w = float(sum(m.sum().item() for m in mb.loss_masks))
-            weight_sum += w
+            # loss metrics are normalised by the step's global counts, like the loss: they add up
+            all_rejected = min(all_rejected, metrics.pop("loss/all_rejected", 0.0))
             for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v * w
+                totals[k] = totals.get(k, 0.0) + v
         if dist.is_available() and dist.is_initialized():
             self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        out = {k: v / weight_sum for k, v in totals.items()} if weight_sum > 0 else {}
+        out = {**totals, "loss/all_rejected": all_rejected}
         out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/lr": self.scheduler.get_last_lr()[0]})
         return out
 

@@ -1,0 +1,114 @@
+"""Batch reward function: the object the training loop calls once per rollout batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from slime_sparse.reward.config import RewardConfig
+from slime_sparse.reward.pool import ERROR, OK, TIMEOUT, GradeOutcome, GraderPool, as_reward, describe_exception
+
+logger = logging.getLogger(__name__)
+
+# responses, labels -> (one reward per response, counters of this call)
+RewardFn = Callable[[list[str], list], tuple[list[float], dict[str, int]]]
+
+
+@dataclass
+class RewardStats:
+    """Counters of grader calls.
+
+    graded: calls that returned a reward (correct or not); errors: calls that raised, returned a
+    non-number, or whose worker died; timeouts: calls killed past the timeout. Errors and timeouts score 0.
+    """
+
+    graded: int = 0
+    errors: int = 0
+    timeouts: int = 0
+
+    def add(self, other: RewardStats) -> None:
+        self.graded += other.graded
+        self.errors += other.errors
+        self.timeouts += other.timeouts
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class RewardFunction:
+    """Scores batches of responses with the grader a RewardConfig selects.
+
+    Usage:
+        with get_reward_fn(RewardConfig(rm_type="math")) as reward_fn:
+            rewards, counters = reward_fn(responses, labels)
+
+    `extras` (optional, one dict per response) is passed to the grader as keyword arguments. `stats`
+    accumulates the counters over every call. Worker processes stop on close(), on leaving the `with`
+    block, when the object is garbage-collected, or at interpreter exit.
+    """
+
+    def __init__(self, config: RewardConfig) -> None:
+        config.validate()
+        self.config = config
+        self.grader = config.resolve_grader()
+        self.stats = RewardStats()
+        self._pool = GraderPool(self.grader, config.num_workers, config.timeout_s) if config.num_workers > 0 else None
+
+    def __call__(
+        self, responses: Sequence[str], labels: Sequence[Any], extras: Sequence[dict[str, Any]] | None = None
+    ) -> tuple[list[float], dict[str, int]]:
+        if len(responses) != len(labels):
+            raise ValueError(f"reward: got {len(responses)} responses but {len(labels)} labels")
+        if extras is not None and len(extras) != len(responses):
+            raise ValueError(f"reward: got {len(extras)} extras for {len(responses)} responses")
+        kwargs = [dict(extra) for extra in extras] if extras is not None else [{} for _ in responses]
+        tasks = list(zip(responses, labels, kwargs, strict=True))
+        if self._pool is not None:
+            outcomes = self._pool.grade(tasks)
+        else:
+            outcomes = [self._grade_inline(*task) for task in tasks]
+
+        batch = RewardStats(
+            graded=sum(o.status == OK for o in outcomes),
+            errors=sum(o.status == ERROR for o in outcomes),
+            timeouts=sum(o.status == TIMEOUT for o in outcomes),
+        )
+        self.stats.add(batch)
+        self._log_failures(outcomes)
+        return [o.reward for o in outcomes], batch.as_dict()
+
+    def _grade_inline(self, response: str, label: Any, kwargs: dict[str, Any]) -> GradeOutcome:
+        """num_workers=0: grade in the calling thread (errors are caught; no timeout is enforced)."""
+        try:
+            return GradeOutcome(OK, as_reward(self.grader(response, label, **kwargs)))
+        except Exception as exc:  # noqa: BLE001 - a failing grader scores 0, it does not stop training
+            return GradeOutcome(ERROR, 0.0, describe_exception(exc))
+
+    @staticmethod
+    def _log_failures(outcomes: list[GradeOutcome]) -> None:
+        for status in (ERROR, TIMEOUT):
+            failed = [o for o in outcomes if o.status == status]
+            if failed:
+                logger.warning(
+                    "reward: %d grader %s(s) in this batch (scored 0); first: %s",
+                    len(failed),
+                    status,
+                    failed[0].message,
+                )
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self) -> RewardFunction:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def get_reward_fn(config: RewardConfig) -> RewardFunction:
+    """Validate `config` and build its reward function (starting its worker processes)."""
+    return RewardFunction(config)

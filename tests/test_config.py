@@ -1,0 +1,100 @@
+"""Run configuration: slime flag names, YAML + CLI precedence, presets, validation naming the flag."""
+import pytest
+
+from slime_sparse.config import RunConfig, build_parser, load_config
+
+
+@pytest.fixture
+def base_args(tmp_path):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    return ["--prompt-data", str(data), "--hf-checkpoint", str(model)]
+
+
+def test_slime_flag_names_exist():
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip",
+                 "--eps-clip-high", "--use-kl-loss", "--kl-loss-coef", "--kl-loss-type", "--advantage-estimator",
+                 "--rollout-max-response-len", "--rollout-temperature", "--rm-type", "--custom-rm-path", "--lr",
+                 "--num-rollout", "--hf-checkpoint", "--prompt-data", "--input-key", "--label-key",
+                 "--apply-chat-template", "--rollout-max-prompt-len", "--save", "--kv-method", "--kv-budget"]:
+        assert flag in flags, flag
+
+
+def test_cli_values_are_typed(base_args):
+    cfg = load_config(base_args + ["--rollout-batch-size", "16", "--n-samples-per-prompt", "4", "--global-batch-size",
+                                   "32", "--eps-clip", "0.1", "--use-kl-loss", "--kl-loss-coef", "1e-3",
+                                   "--rollout-stop-token-ids", "3,4", "--kv-method", "rkv", "--kv-budget", "64"])
+    assert cfg.rollout.rollout_batch_size == 16 and cfg.rollout.n_samples_per_prompt == 4
+    assert cfg.loss.eps_clip == 0.1 and cfg.loss.use_kl_loss is True and cfg.loss.kl_loss_coef == 1e-3
+    assert cfg.sampling.stop_token_ids == (3, 4)
+    assert cfg.kv.method == "rkv" and cfg.kv.budget == 64
+    assert cfg.steps_per_rollout == 2
+
+
+def test_yaml_then_flags_precedence(base_args, tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("loss: {eps_clip: 0.3, eps_clip_high: 0.28}\nkv: {method: snapkv, budget: 100}\n")
+    cfg = load_config(base_args + ["--config", str(y), "--kv-budget", "200"])
+    assert cfg.loss.eps_clip == 0.3 and cfg.loss.eps_clip_high == 0.28
+    assert cfg.kv.method == "snapkv" and cfg.kv.budget == 200
+
+
+def test_correction_presets_and_overrides(base_args):
+    mis = load_config(base_args + ["--correction-preset", "mis"]).correction
+    assert (mis.is_upper, mis.token_mask_low, mis.token_mask_high, mis.seq_veto, mis.batch_normalize) == (
+        1.5, 0.5, 1.5, 1e-4, True)
+    tweaked = load_config(base_args + ["--correction-preset", "mis", "--correction-seq-veto", "1e-3"]).correction
+    assert tweaked.seq_veto == 1e-3 and tweaked.is_upper == 1.5
+    none = load_config(base_args).correction
+    assert not none.is_weight and none.seq_veto is None
+
+
+def test_dr_grpo_norm_len_defaults_to_response_budget(base_args):
+    cfg = load_config(base_args + ["--loss-agg-mode", "seq-mean-token-sum-norm", "--rollout-max-response-len", "77"])
+    assert cfg.loss.norm_len == 77
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--kv-method", "magic"], "--kv-method"),
+    (["--kv-method", "rkv", "--kv-budget", "8", "--kv-window", "8"], "--kv-budget"),
+    (["--eps-clip", "-0.1"], "--eps-clip"),
+    (["--loss-agg-mode", "sum"], "--loss-agg-mode"),
+    (["--global-batch-size", "300"], "--global-batch-size"),
+    (["--rollout-batch-size", "abc"], "--rollout-batch-size"),
+    (["--correction-preset", "bogus"], "preset"),
+    (["--train-backend", "jax"], "--train-backend"),
+    (["--rm-type", "nope"], "--rm-type"),
+])
+def test_invalid_values_name_the_flag(base_args, extra, flag):
+    with pytest.raises(ValueError, match=flag):
+        load_config(base_args + extra)
+
+
+def test_missing_files_are_errors(tmp_path, base_args):
+    with pytest.raises(ValueError, match="--prompt-data"):
+        load_config(["--prompt-data", str(tmp_path / "none.jsonl"), "--hf-checkpoint", str(tmp_path)])
+    with pytest.raises(ValueError, match="--hf-checkpoint"):
+        load_config(base_args[:2] + ["--hf-checkpoint", str(tmp_path / "missing")])
+    with pytest.raises(ValueError, match="--config"):
+        load_config(base_args + ["--config", str(tmp_path / "x.yaml")])
+
+
+def test_yaml_unknown_section_or_field(base_args, tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("kvv: {budget: 1}\n")
+    with pytest.raises(ValueError, match="unknown section"):
+        load_config(base_args + ["--config", str(y)])
+    y.write_text("kv: {budgit: 1}\n")
+    with pytest.raises(ValueError, match="kv.budgit"):
+        load_config(base_args + ["--config", str(y)])
+
+
+def test_defaults_follow_the_authors_recipe():
+    cfg = RunConfig()
+    assert cfg.rollout.rollout_batch_size == 128 and cfg.rollout.n_samples_per_prompt == 8
+    assert cfg.train.global_batch_size == 256 and cfg.train.lr == 1e-6 and cfg.train.weight_decay == 0.1
+    assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.9, 0.98)
+    assert cfg.loss.eps_clip == 0.2
