@@ -85,7 +85,8 @@ def train(cfg: RunConfig) -> dict:
         start = comp.load_checkpoint(resume_from)
         logger.info("resumed from %s at rollout %d", resume_from, start)
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
-                                use_wandb=cfg.log.use_wandb, wandb_project=cfg.log.wandb_project, resume_step=start)
+                                use_wandb=cfg.log.use_wandb, wandb_project=cfg.log.wandb_project,
+                                start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"evals": {}}
     try:
         if start == 0 and comp.eval_records:
