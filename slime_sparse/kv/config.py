@@ -20,7 +20,11 @@ class KVCompressConfig:
     mix_lambda: float = 0.1  # R-KV: score = lambda * importance - (1 - lambda) * redundancy
     sim_threshold: float = 0.5  # R-KV: newest near-duplicate (cosine > threshold) is exempt from redundancy
     n_sink: int | None = None  # first tokens always kept; None = the method's default (streaming 4, others 0)
-    gqa_reduce: str = "mean"  # how scores of the query heads of one KV group are reduced
+    # How the query heads of one KV group are reduced: on the attention logits for rkv (as R-KV, which uses max),
+    # on the per-head scores after window sum and pooling for snapkv / h2o (as kvpress, which uses mean).
+    gqa_reduce: str = "max"  # over the query heads of a KV group; max as in R-KV and the authors' SGLang
+    # head: each KV head of each layer selects; layer: one set per layer (mean of its heads' scores);
+    # model: one set for all layers (mean over layers of those means). See kv/selection.py.
     granularity: str = "head"
 
     @property

@@ -1,0 +1,229 @@
+"""Token scores of the KV-compression methods: pure torch, one sequence, one layer, all heads at once.
+
+Conventions shared by every function here:
+- keys / values: [Hkv, n, d] post-RoPE, one row per cache slot, slots in chronological order (the cache keeps
+  kept tokens sorted, so slot order is token order even after earlier compressions).
+- queries: [Hq, w, d] post-RoPE queries of the last w tokens; the last one sits at slot n - 1, so query i sits at
+  slot n - w + i and attends causally to slots <= n - w + i. Query head h belongs to KV head h // (Hq // Hkv),
+  the layout of Qwen2/Llama (and of transformers' repeat_kv).
+- scores: [Hkv, n] float32, higher = keep. Slots that selection always keeps (the first `cfg.sinks`, the last
+  `cfg.window`) are not scored by the methods (SnapKV and R-KV never look at the window's own keys) and carry +inf.
+- Everything is computed in float32 whatever the input dtype, so bf16 and fp32 inputs rank tokens alike.
+
+Where each method reduces GQA groups (read from the reference code, matched on purpose):
+- rkv: on the attention *logits*, before the softmax, as R-KV's `compute_attention_scores` does (R-KV and the
+  Sparse-RL authors' SGLang use `max`);
+- snapkv / h2o: on the per-query-head scores after the window sum (and pooling), as kvpress's SnapKVPress does.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .config import GQA_REDUCTIONS, POOLINGS, KVCompressConfig
+
+PROTECTED_SCORE = float("inf")  # score of the slots selection always keeps (sinks, observation window)
+COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Small helpers
+# --------------------------------------------------------------------------------------------------------------
+def gqa_reduce(x: Tensor, n_kv_heads: int, how: str) -> Tensor:
+    """Reduce [Hq, ...] over the Hq // n_kv_heads query heads of each KV group -> [n_kv_heads, ...]."""
+    if how not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce how={how!r} is invalid: choose one of {GQA_REDUCTIONS}")
+    n_q_heads = x.shape[0]
+    if n_kv_heads < 1 or n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"gqa_reduce: {n_q_heads} query heads are not a multiple of n_kv_heads={n_kv_heads}")
+    grouped = x.reshape(n_kv_heads, n_q_heads // n_kv_heads, *x.shape[1:])
+    return grouped.mean(dim=1) if how == "mean" else grouped.amax(dim=1)
+
+
+def pool1d(x: Tensor, kernel_size: int, how: str) -> Tensor:
+    """Same-length 1d pooling over the last dim (stride 1, padding kernel_size // 2).
+
+    As in SnapKV / R-KV / kvpress (torch's defaults): max pooling ignores the padding, average pooling counts the
+    zero padding in its divisor (border tokens are averaged over the full kernel).
+    """
+    if how not in POOLINGS:
+        raise ValueError(f"pool1d how={how!r} is invalid: choose one of {POOLINGS}")
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise ValueError(f"pool1d kernel_size={kernel_size} must be an odd integer >= 1")
+    length = x.shape[-1]
+    if kernel_size == 1 or length == 0:
+        return x
+    flat = x.reshape(-1, 1, length)
+    pool = F.max_pool1d if how == "max" else F.avg_pool1d
+    return pool(flat, kernel_size=kernel_size, stride=1, padding=kernel_size // 2).reshape(x.shape)
+
+
+def attention_logits(keys: Tensor, queries: Tensor) -> Tensor:
+    """Scaled dot products Q K^T / sqrt(d) per query head: [Hq, w, n] float32 (no mask)."""
+    n_kv_heads, n, head_dim = keys.shape
+    n_q_heads, w, _ = queries.shape
+    group = n_q_heads // n_kv_heads
+    q = queries.float().reshape(n_kv_heads, group, w, head_dim)
+    logits = torch.einsum("kgwd,knd->kgwn", q, keys.float()) / math.sqrt(head_dim)
+    return logits.reshape(n_q_heads, w, n)
+
+
+def causal_window_attention(keys: Tensor, queries: Tensor) -> Tensor:
+    """Softmax attention of the last w queries over all n slots, causal inside the window: [Hq, w, n] float32."""
+    logits = attention_logits(keys, queries)
+    w, n = logits.shape[-2:]
+    query_pos = torch.arange(n - w, n, device=logits.device)
+    future = torch.arange(n, device=logits.device)[None, :] > query_pos[:, None]  # [w, n]
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+
+
+def rkv_redundancy(keys: Tensor, sim_threshold: float) -> Tensor:
+    """R-KV's redundancy of every slot: [Hkv, n] float32, a softmax over slots (each head's row sums to 1).
+
+    Per KV head, S = cosine similarity of keys with the diagonal zeroed. In each row i, the entry of the *newest*
+    near-duplicate j* = max{j : S[i, j] > sim_threshold} is zeroed, so the newest copy of a repeated pattern is
+    not charged for its similarity to the older copies (it survives, the older ones go). Redundancy of slot j is
+    the mean of column j (divided by n, the diagonal included), then softmax over j.
+    Faithful to R-KV's `cal_similarity`, including its fallback: a row with no near-duplicate marks index 0, so
+    that row's similarity to slot 0 is zeroed too (slot 0 looks slightly less redundant).
+    """
+    k = keys.float()
+    k_unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
+    sim = k_unit @ k_unit.transpose(-1, -2)  # [Hkv, n, n]
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    n = sim.shape[-1]
+    slot = torch.arange(n, device=sim.device)
+    newest_duplicate = torch.where(sim > sim_threshold, slot, torch.zeros_like(slot)).amax(dim=-1)  # [Hkv, n]
+    sim.scatter_(-1, newest_duplicate.unsqueeze(-1), 0.0)
+    return sim.mean(dim=-2).softmax(dim=-1)
+
+
+def _scored_length(cfg: KVCompressConfig, n: int) -> int:
+    """Slots [0, m) are scored; the last cfg.window slots are always kept and never scored."""
+    return max(n - cfg.window, 0)
+
+
+def _with_protected(cfg: KVCompressConfig, scored: Tensor, n: int) -> Tensor:
+    """Place scores of slots [0, m) into an [Hkv, n] tensor whose sinks and window slots hold +inf."""
+    out = torch.full((scored.shape[0], n), PROTECTED_SCORE, dtype=torch.float32, device=scored.device)
+    m = scored.shape[-1]
+    out[:, :m] = scored
+    out[:, : min(cfg.sinks, n)] = PROTECTED_SCORE
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Methods
+# --------------------------------------------------------------------------------------------------------------
+def snapkv_scores(cfg: KVCompressConfig, keys: Tensor, queries: Tensor) -> Tensor:
+    """SnapKV: window-summed causal softmax attention, pooled over the scored slots, then GQA-reduced."""
+    n_kv_heads, n, _ = keys.shape
+    m = _scored_length(cfg, n)
+    mass = causal_window_attention(keys, queries).sum(dim=1)[:, :m]  # [Hq, m]
+    pooled = pool1d(mass, cfg.kernel_size, cfg.pooling)
+    return _with_protected(cfg, gqa_reduce(pooled, n_kv_heads, cfg.gqa_reduce), n)
+
+
+def rkv_importance(cfg: KVCompressConfig, keys: Tensor, queries: Tensor) -> Tensor:
+    """R-KV importance of slots [0, m): [Hkv, m].
+
+    Logits are GQA-reduced first; the softmax runs over the scored slots only (the window's keys are left out of
+    the normalisation, as in R-KV); mean over the window queries, then pooling (R-KV: max, kernel 7).
+    """
+    n_kv_heads, n, _ = keys.shape
+    m = _scored_length(cfg, n)
+    logits = gqa_reduce(attention_logits(keys, queries), n_kv_heads, cfg.gqa_reduce)[:, :, :m]  # [Hkv, w, m]
+    # No causal mask needed: every query sits in the window, after all scored slots.
+    attention = logits.softmax(dim=-1).mean(dim=1)
+    return pool1d(attention, cfg.kernel_size, cfg.pooling)
+
+
+def rkv_scores(cfg: KVCompressConfig, keys: Tensor, queries: Tensor) -> Tensor:
+    """R-KV: mix_lambda * importance - (1 - mix_lambda) * redundancy, over the scored slots."""
+    n = keys.shape[1]
+    m = _scored_length(cfg, n)
+    importance = rkv_importance(cfg, keys, queries)
+    # Redundancy is computed over all n keys (window included) and softmax-normalised over all n, then sliced.
+    redundancy = rkv_redundancy(keys, cfg.sim_threshold)[:, :m]
+    return _with_protected(cfg, cfg.mix_lambda * importance - (1.0 - cfg.mix_lambda) * redundancy, n)
+
+
+def h2o_scores(cfg: KVCompressConfig, keys: Tensor, queries: Tensor, attn_mass: Tensor | None) -> Tensor:
+    """H2O heavy hitters: the accumulated attention mass if the engine tracks it, else the window-summed causal
+    attention of the observed queries (GQA-reduced with cfg.gqa_reduce). No pooling."""
+    n_kv_heads, n, _ = keys.shape
+    m = _scored_length(cfg, n)
+    if attn_mass is not None:
+        mass = attn_mass.float()
+    else:
+        mass = gqa_reduce(causal_window_attention(keys, queries).sum(dim=1), n_kv_heads, cfg.gqa_reduce)
+    return _with_protected(cfg, mass[:, :m], n)
+
+
+def streaming_scores(cfg: KVCompressConfig, keys: Tensor) -> Tensor:
+    """StreamingLLM: the score is the slot index itself (newer = higher; equivalently minus the token's age), so
+    selection keeps the sinks plus the budget - sinks most recent tokens."""
+    n_kv_heads, n, _ = keys.shape
+    m = _scored_length(cfg, n)
+    recency = torch.arange(m, dtype=torch.float32, device=keys.device)
+    return _with_protected(cfg, recency.expand(n_kv_heads, m), n)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+def _check_inputs(
+    cfg: KVCompressConfig, keys: Tensor, queries: Tensor, values: Tensor | None, attn_mass: Tensor | None
+) -> None:
+    if keys.dim() != 3:
+        raise ValueError(f"keys must be [Hkv, n, d], got shape {tuple(keys.shape)}")
+    if queries.dim() != 3:
+        raise ValueError(f"queries must be [Hq, w, d], got shape {tuple(queries.shape)}")
+    n_kv_heads, n, head_dim = keys.shape
+    n_q_heads, w, q_dim = queries.shape
+    if q_dim != head_dim:
+        raise ValueError(f"queries head dim {q_dim} != keys head dim {head_dim}")
+    if n_kv_heads < 1 or n_q_heads % n_kv_heads != 0:
+        raise ValueError(f"queries have {n_q_heads} heads, not a multiple of keys' {n_kv_heads} KV heads")
+    if w > cfg.window:
+        raise ValueError(f"queries hold {w} tokens, more than --kv-window={cfg.window}")
+    if w > n:
+        raise ValueError(f"queries hold {w} tokens but the cache only {n}")
+    needs_queries = cfg.method in ("snapkv", "rkv") or (cfg.method == "h2o" and attn_mass is None)
+    if needs_queries and w == 0:
+        raise ValueError(f"--kv-method={cfg.method} needs at least one observed query, got w=0")
+    if values is not None and values.shape[:2] != keys.shape[:2]:
+        raise ValueError(f"values shape {tuple(values.shape)} does not match keys shape {tuple(keys.shape)}")
+    if attn_mass is not None and tuple(attn_mass.shape) != (n_kv_heads, n):
+        raise ValueError(f"attn_mass must be [Hkv, n] = {(n_kv_heads, n)}, got {tuple(attn_mass.shape)}")
+
+
+def score_layer(
+    cfg: KVCompressConfig,
+    keys: Tensor,
+    queries: Tensor,
+    values: Tensor | None = None,
+    attn_mass: Tensor | None = None,
+) -> Tensor:
+    """Scores of every cache slot of one layer of one sequence: [Hkv, n] float32, higher = keep.
+
+    keys [Hkv, n, d] and queries [Hq, w, d] (w <= cfg.window, the last query at slot n - 1) are post-RoPE.
+    values are accepted for interface stability; no method here uses them. attn_mass [Hkv, n] (H2O only) is the
+    attention mass accumulated by the engine, already summed over each group's query heads.
+    Sinks and window slots carry +inf (see module docstring); `select_kept` protects them in any case.
+    """
+    cfg.validate()
+    if not cfg.enabled:
+        raise ValueError("--kv-method=none: KV compression is disabled, there is nothing to score")
+    _check_inputs(cfg, keys, queries, values, attn_mass)
+    methods: dict[str, Callable[[], Tensor]] = {
+        "snapkv": lambda: snapkv_scores(cfg, keys, queries),
+        "rkv": lambda: rkv_scores(cfg, keys, queries),
+        "h2o": lambda: h2o_scores(cfg, keys, queries, attn_mass),
+        "streaming": lambda: streaming_scores(cfg, keys),
+    }
+    return methods[cfg.method]()

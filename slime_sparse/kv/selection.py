@@ -1,0 +1,100 @@
+"""Which cache slots survive a compression: top-k under protection of sinks and window, per head/layer/model."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .config import KVCompressConfig
+from .scoring import score_layer
+
+
+def select_kept(scores: Tensor, budget: int, cfg: KVCompressConfig) -> Tensor:
+    """Sorted LongTensor [..., budget] of kept slots, from scores [..., n] (higher = keep).
+
+    Always the first cfg.sinks and the last cfg.window slots, plus the (budget - sinks - window) best-scored
+    slots between them; ties go to the earlier slot (stable sort), so selection is deterministic on every device.
+    If n <= budget nothing is dropped: arange(n) for every row. Scores of the middle slots must not be NaN.
+    """
+    n = scores.shape[-1]
+    batch_shape = scores.shape[:-1]
+    device = scores.device
+    if n <= budget:
+        return torch.arange(n, device=device).expand(*batch_shape, n).clone()
+    sinks, window = cfg.sinks, cfg.window
+    if budget < sinks + window:
+        raise ValueError(f"budget={budget} must be >= sinks + window = {sinks} + {window} (--kv-budget)")
+    n_top = budget - sinks - window
+    middle = scores[..., sinks : n - window].float()
+    best = torch.sort(middle, dim=-1, descending=True, stable=True).indices[..., :n_top] + sinks
+    always = torch.cat([torch.arange(sinks, device=device), torch.arange(n - window, n, device=device)])
+    kept = torch.cat([always.expand(*batch_shape, sinks + window), best], dim=-1)
+    return kept.sort(dim=-1).values
+
+
+def reduce_heads(scores: Tensor) -> Tensor:
+    """One score per slot from [Hkv, n] per-head scores: their plain mean (no per-head normalisation).
+
+    Why no normalisation: every method's per-head scores already share a comparable scale (each head spreads
+    the same total attention mass over the slots, R-KV's redundancy is a softmax over slots, recency is a slot
+    index), and the mean ranks slots exactly like the Sparse-RL authors' SGLang, which sums scores over heads.
+    Protected slots stay +inf.
+    """
+    return scores.mean(dim=0)
+
+
+def compress_indices(
+    cfg: KVCompressConfig,
+    keys: list[Tensor],
+    queries: list[Tensor],
+    values: list[Tensor] | None = None,
+    attn_mass: list[Tensor | None] | None = None,
+    budget: int | None = None,
+) -> list[Tensor]:
+    """Kept slots of one sequence, per layer: a LongTensor [Hkv, budget] (sorted per head) for each layer.
+
+    Lists hold one entry per layer (see `score_layer` for shapes); budget defaults to cfg.budget.
+    Granularity (cfg.granularity):
+    - 'head':  every KV head of every layer selects on its own scores;
+    - 'layer': one set per layer from the mean of its heads' scores (`reduce_heads`), shared by its heads;
+    - 'model': one set for the whole model from the mean over layers of the per-layer head means (all layers
+      weigh equally), identical for every head and layer. Every layer must then hold the same n slots.
+    If n <= budget every slot is kept ([Hkv, n], arange per head).
+    """
+    cfg.validate()
+    budget = cfg.budget if budget is None else budget
+    n_layers = len(keys)
+    if n_layers == 0:
+        raise ValueError("compress_indices needs at least one layer of keys")
+    if len(queries) != n_layers:
+        raise ValueError(f"got {len(queries)} layers of queries for {n_layers} layers of keys")
+    for name, per_layer in (("values", values), ("attn_mass", attn_mass)):
+        if per_layer is not None and len(per_layer) != n_layers:
+            raise ValueError(f"got {len(per_layer)} layers of {name} for {n_layers} layers of keys")
+
+    scores = [
+        score_layer(
+            cfg,
+            keys[layer],
+            queries[layer],
+            values[layer] if values is not None else None,
+            attn_mass[layer] if attn_mass is not None else None,
+        )
+        for layer in range(n_layers)
+    ]
+
+    if cfg.granularity == "head":
+        return [select_kept(s, budget, cfg) for s in scores]
+    if cfg.granularity == "layer":
+        return [_broadcast(select_kept(reduce_heads(s), budget, cfg), s.shape[0]) for s in scores]
+    # 'model'
+    lengths = {s.shape[-1] for s in scores}
+    if len(lengths) != 1:
+        raise ValueError(f"--kv-granularity=model needs the same cache length in every layer, got {sorted(lengths)}")
+    joint = torch.stack([reduce_heads(s) for s in scores]).mean(dim=0)
+    kept = select_kept(joint, budget, cfg)
+    return [_broadcast(kept, s.shape[0]) for s in scores]
+
+
+def _broadcast(kept: Tensor, n_kv_heads: int) -> Tensor:
+    """[k] -> [Hkv, k] (a real copy: engines may index or modify it per head)."""
+    return kept.expand(n_kv_heads, -1).clone()
