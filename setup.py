@@ -1,4 +1,9 @@
+import re
+
 from setuptools import find_packages, setup
+
+# the one place the SGLang pin lives is sglang_patches/version.py
+SGLANG_VERSION = re.search(r'SGLANG_VERSION = "([^"]+)"', open("sglang_patches/version.py").read()).group(1)
 
 # torch is bounded below only: install the build that fits your machine first
 # (CPU: `pip install torch==2.13.0`; GPU: the CUDA wheel your cluster uses).
@@ -20,7 +25,7 @@ EXTRAS = {
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
     "megatron": ["megatron-core>=0.13", "mbridge>=0.15"],
-    "sglang": ["sglang==0.5.5.post1"],
+    "sglang": [f"sglang=={SGLANG_VERSION}"],
     "wandb": ["wandb>=0.17"],
 }
 
@@ -39,5 +44,7 @@ setup(
             "slime-sparse-train=slime_sparse.train:main",
             "slime-sparse-eval=slime_sparse.eval:main",
         ],
+        # loaded by every SGLang scheduler process; inert unless SLIME_SPARSE_KV_CONFIG selects a method
+        "sglang.srt.plugins": ["slime_sparse_kv = sglang_patches.plugin:register"],
     },
 )

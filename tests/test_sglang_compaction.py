@@ -1,0 +1,397 @@
+"""Compaction and position logic of the SGLang budgeted KV cache, on pools with SGLang's exact layout.
+
+The decode-loop tests drive sglang_patches.runtime exactly as the hooks do inside SGLang, with the steps SGLang
+itself performs in between (allocation of the next slot at req_to_token[row, seq_len], +1 on every length,
+freeing req_to_token[row, :kv_committed_len] when a request finishes: see the `contract` checks). The pools are
+either layout-identical stand-ins (fast, default) or SGLang's own ReqToTokenPool / MHATokenToKVPool /
+TokenToKVPoolAllocator imported on CPU from the pinned wheel (marker `sglang`, slow: run with
+`python -m pytest -q -p no:cacheprovider -m sglang tests/test_sglang_compaction.py`).
+
+References are independent of the code under test: the test keeps each request's logical token list itself and
+calls slime_sparse.kv.compress_indices on keys/queries taken from its own tables, not from the pools.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_patches.compaction import (
+    append_kept_count,
+    compact_row,
+    gather_window_queries,
+    should_compress,
+    shift_positions,
+    window_ring_slots,
+    write_decode_queries,
+    write_extend_queries,
+)
+from sglang_patches.runtime import EVICTED_ATTR, KEPT_INFO_KEY, SparseKVRuntime, evicted_count, reset_request
+from slime_sparse.kv import KVCompressConfig, compress_indices
+
+L, HQ, HKV, D = 2, 4, 2, 8  # layers, query heads, KV heads, head dim
+MAX_LEN = 96
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pure functions, hand-computed
+# ----------------------------------------------------------------------------------------------------------------
+def test_compact_row_moves_kept_slots_to_front_in_order_and_returns_the_rest():
+    req_to_token = torch.zeros(3, 8, dtype=torch.int32)
+    req_to_token[2, :5] = torch.tensor([11, 5, 9, 3, 7], dtype=torch.int32)
+    freed = compact_row(req_to_token, row=2, length=5, kept=torch.tensor([0, 2, 4]))
+    assert req_to_token[2, :3].tolist() == [11, 9, 7]
+    assert req_to_token.dtype == torch.int32
+    assert sorted(freed.tolist()) == [3, 5] and freed.dtype == torch.int64
+    assert req_to_token[0].eq(0).all() and req_to_token[1].eq(0).all()  # padding row and other rows untouched
+
+
+def test_window_ring_slots_are_oldest_first():
+    assert window_ring_slots(10, 4).tolist() == [2, 3, 0, 1]  # positions 6, 7, 8, 9
+    assert window_ring_slots(3, 4).tolist() == [0, 1, 2]  # fewer tokens than the window
+    assert window_ring_slots(0, 4).tolist() == []
+
+
+def test_trigger_fires_at_budget_plus_buffer():
+    cfg = KVCompressConfig(method="rkv", budget=16, buffer=4, window=4, granularity="model")
+    assert not should_compress(19, cfg)
+    assert should_compress(20, cfg) and should_compress(50, cfg)
+    assert not should_compress(10_000, KVCompressConfig(method="none"))
+    snap = KVCompressConfig(method="snapkv", budget=16, buffer=4, window=4, granularity="model")
+    assert should_compress(17, snap, first_decode=True)  # SnapKV: the prompt is cut to B after prefill
+    assert not should_compress(16, snap, first_decode=True) and not should_compress(17, snap, first_decode=False)
+    assert not should_compress(17, cfg, first_decode=True)  # other methods wait for B + buffer
+
+
+def test_shift_positions_adds_evicted_per_request():
+    out = shift_positions(torch.tensor([5, 7, 0], dtype=torch.int32), torch.tensor([3, 0, 9]))
+    assert out.tolist() == [8, 7, 9] and out.dtype == torch.int32
+
+
+def test_kept_history_pads_prefill_tokens_with_dense_counts():
+    history: list[int] = []
+    append_kept_count(history, prompt_len=10, n_output=1, cache_len=11)  # token 0 came from prefill
+    assert history == [10, 11]
+    append_kept_count(history, prompt_len=10, n_output=4, cache_len=7)  # two tokens produced outside decode
+    assert history == [10, 11, 12, 13, 7]
+
+
+def test_decode_and_extend_writes_leave_the_last_window_queries_in_order():
+    window, rows = 4, 3
+    buf = torch.zeros(rows, window, HQ, D)
+    # extend: request in row 1 with 3 new tokens after a prefix of 4 (positions 4..6), row 2 with 6 tokens (0..5)
+    q = torch.randn(9, HQ, D)
+    positions = torch.tensor([4, 5, 6, 0, 1, 2, 3, 4, 5])
+    write_extend_queries(buf, torch.tensor([1, 2]), positions, torch.tensor([7, 6]), torch.tensor([3, 6]), q)
+    got2 = gather_window_queries([buf], row=2, logical_len=6)[0]  # [HQ, 4, D]
+    assert torch.equal(got2, q[5:9].transpose(0, 1))  # positions 2..5
+    got1 = gather_window_queries([buf], row=1, logical_len=7)[0]
+    assert torch.equal(got1[:, 1:], q[0:3].transpose(0, 1))  # positions 4, 5, 6 (3 is from an earlier chunk)
+    # decode: the next token of each request
+    q_dec = torch.randn(2, HQ, D)
+    write_decode_queries(buf, torch.tensor([1, 2]), torch.tensor([7, 6]), q_dec)
+    got2 = gather_window_queries([buf], row=2, logical_len=7)[0]
+    assert torch.equal(got2, torch.cat([q[6:9], q_dec[1:]]).transpose(0, 1))
+    assert buf[0].eq(0).all()  # padding row untouched
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Pools: SGLang layout stand-ins, or SGLang's own classes
+# ----------------------------------------------------------------------------------------------------------------
+class FreeListAllocator:
+    """Same state and semantics as SGLang's TokenToKVPoolAllocator with page_size 1 and need_sort False."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.clear()
+
+    def clear(self) -> None:
+        self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64)  # slot 0 is the padding slot
+
+    def available_size(self) -> int:
+        return len(self.free_pages)
+
+    def alloc(self, need: int) -> torch.Tensor | None:
+        if need > len(self.free_pages):
+            return None
+        out, self.free_pages = self.free_pages[:need], self.free_pages[need:]
+        return out
+
+    def free(self, index: torch.Tensor) -> None:
+        if index.numel():
+            self.free_pages = torch.cat((self.free_pages, index))
+
+
+def replica_pools(rows: int, size: int):
+    req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(rows + 1, MAX_LEN, dtype=torch.int32))
+    k_buffer = [torch.zeros(size + 1, HKV, D) for _ in range(L)]
+    v_buffer = [torch.zeros(size + 1, HKV, D) for _ in range(L)]
+    kv_pool = SimpleNamespace(
+        k_buffer=k_buffer, v_buffer=v_buffer, layer_num=L, head_num=HKV, head_dim=D, start_layer=0,
+        get_key_buffer=lambda layer: k_buffer[layer], get_value_buffer=lambda layer: v_buffer[layer],
+    )
+    return req_to_token_pool, kv_pool, FreeListAllocator(size)
+
+
+def sglang_pools(rows: int, size: int):
+    from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
+
+    activate_cpu_import_env(prepare_cpu_import_env())
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+
+    req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=MAX_LEN, device="cpu", enable_memory_saver=False)
+    kv_pool = MHATokenToKVPool(
+        size=size, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=L, device="cpu",
+        enable_memory_saver=False,
+    )
+    allocator = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
+    return req_to_token_pool, kv_pool, allocator
+
+
+POOLS = [
+    pytest.param(replica_pools, id="layout-replica"),
+    pytest.param(sglang_pools, id="sglang-classes", marks=[pytest.mark.sglang, pytest.mark.slow]),
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A miniature of SGLang's decode loop around our hooks
+# ----------------------------------------------------------------------------------------------------------------
+class Mode:
+    def __init__(self, name: str):
+        self.name = name
+
+    def is_decode(self) -> bool:
+        return self.name == "decode"
+
+    def is_extend(self) -> bool:
+        return self.name == "extend"
+
+
+@dataclass
+class Tables:
+    """What a toy model computes for the token at logical position p of a request: post-RoPE K, V and Q."""
+
+    keys: torch.Tensor  # [n_req, L, MAX_LEN, HKV, D]
+    values: torch.Tensor
+    queries: torch.Tensor  # [n_req, L, MAX_LEN, HQ, D]
+
+    @classmethod
+    def random(cls, n_req: int, seed: int = 0) -> "Tables":
+        g = torch.Generator().manual_seed(seed)
+        shape = (n_req, L, MAX_LEN)
+        return cls(torch.randn(*shape, HKV, D, generator=g), torch.randn(*shape, HKV, D, generator=g),
+                   torch.randn(*shape, HQ, D, generator=g))
+
+
+@dataclass
+class Expected:
+    """The test's own bookkeeping: which logical tokens each request's cache should hold."""
+
+    logical: list[list[int]] = field(default_factory=list)
+
+
+class MiniScheduler:
+    def __init__(self, cfg: KVCompressConfig, pools, tables: Tables, prompt_lens: list[int]):
+        self.cfg, self.tables = cfg, tables
+        self.req_to_token_pool, self.kv_pool, self.allocator = pools
+        self.runtime = SparseKVRuntime.allocate(
+            cfg, self.req_to_token_pool, self.kv_pool, self.allocator, num_q_heads=HQ, dtype=torch.float32
+        )
+        self.size = self.allocator.available_size()
+        self.reqs = [
+            SimpleNamespace(rid=f"r{i}", origin_input_ids=list(range(n)), output_ids=[], req_pool_idx=i + 1,
+                            kv_committed_len=0, kv_allocated_len=0, customized_info=None)
+            for i, n in enumerate(prompt_lens)
+        ]
+        self.expected = Expected([list(range(n)) for n in prompt_lens])
+        self.positions_seen: list[list[int]] = [[] for _ in prompt_lens]
+
+    # SGLang's prefill: slots allocated, K/V written, queries captured by our RadixAttention hook
+    def prefill(self) -> None:
+        req_to_token = self.req_to_token_pool.req_to_token
+        q_tokens, positions = [], []
+        for i, req in enumerate(self.reqs):
+            n = len(req.origin_input_ids)
+            slots = self.allocator.alloc(n)
+            req_to_token[req.req_pool_idx, :n] = slots.to(torch.int32)
+            self._write_kv(i, slots, torch.arange(n))
+            req.kv_committed_len = req.kv_allocated_len = n
+            q_tokens.append(torch.arange(n))
+            positions.append(torch.arange(n))
+            req.output_ids.append(0)
+        lens = torch.tensor([len(r.origin_input_ids) for r in self.reqs])
+        rows = torch.tensor([r.req_pool_idx for r in self.reqs])
+        fb = SimpleNamespace(forward_mode=Mode("extend"), req_pool_indices=rows, positions=torch.cat(positions),
+                             seq_lens=lens, extend_seq_lens=lens)
+        for layer in range(L):
+            q = torch.cat([self.tables.queries[i, layer, q_tokens[i]] for i in range(len(self.reqs))])
+            self.runtime.capture_queries(layer, q.flatten(1), fb)
+
+    def decode_step(self) -> SimpleNamespace:
+        reqs = self.reqs
+        lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
+        batch = SimpleNamespace(reqs=reqs, seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), seq_lens_sum=int(lens.sum()))
+        # hook, before SGLang's prepare_for_decode
+        self.runtime.compact_batch(batch)
+        self._expect_compaction(lens)
+        # SGLang's prepare_for_decode (page_size 1, no overlap): new slot at req_to_token[row, seq_len], lengths + 1
+        out = self.allocator.alloc(len(reqs))
+        rows = torch.tensor([r.req_pool_idx for r in reqs])
+        self.req_to_token_pool.req_to_token[rows, batch.seq_lens] = out.to(torch.int32)
+        for r in reqs:
+            r.kv_committed_len += 1
+            r.kv_allocated_len += 1
+        batch.seq_lens.add_(1)
+        batch.seq_lens_cpu.add_(1)
+        # hook, after it
+        self.runtime.record_kept(batch)
+        # ForwardBatch.init_new: clamp(seq_lens - 1), then our hook makes them logical
+        positions = self.runtime.logical_decode_positions((batch.seq_lens - 1).clamp(min=0), reqs)
+        for i, r in enumerate(reqs):
+            p = int(positions[i])
+            self.positions_seen[i].append(p)
+            self.expected.logical[i].append(p)
+            self._write_kv(i, out[i : i + 1], torch.tensor([p]))
+        fb = SimpleNamespace(forward_mode=Mode("decode"), req_pool_indices=rows, positions=positions)
+        for layer in range(L):
+            q = torch.stack([self.tables.queries[i, layer, int(positions[i])] for i in range(len(reqs))])
+            self.runtime.capture_queries(layer, q.flatten(1), fb)
+        for r in reqs:
+            r.output_ids.append(0)
+        return batch
+
+    def finish_all(self) -> None:
+        # ChunkCache.cache_finished_req: free req_to_token[row, :kv_committed_len]
+        for r in self.reqs:
+            self.allocator.free(self.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].long())
+
+    def _write_kv(self, i: int, slots: torch.Tensor, logical: torch.Tensor) -> None:
+        for layer in range(L):
+            self.kv_pool.k_buffer[layer][slots] = self.tables.keys[i, layer, logical]
+            self.kv_pool.v_buffer[layer][slots] = self.tables.values[i, layer, logical]
+
+    def _expect_compaction(self, lens_before: torch.Tensor) -> None:
+        """Independent reference: the same selection on the test's own tables and logical token lists."""
+        for i, n in enumerate(lens_before.tolist()):
+            if not should_compress(n, self.cfg, first_decode=len(self.reqs[i].output_ids) == 1):
+                continue
+            held = torch.tensor(self.expected.logical[i])
+            total = int(held[-1]) + 1
+            window = list(range(max(0, total - self.cfg.window), total))
+            keys = [self.tables.keys[i, layer, held].transpose(0, 1) for layer in range(L)]
+            queries = [self.tables.queries[i, layer, window].transpose(0, 1) for layer in range(L)]
+            kept = compress_indices(self.cfg, keys, queries)[0][0]
+            self.expected.logical[i] = held[kept].tolist()
+
+    # invariants -------------------------------------------------------------------------------------------------
+    def live_slots(self) -> list[torch.Tensor]:
+        return [self.req_to_token_pool.req_to_token[r.req_pool_idx, : r.kv_committed_len].long() for r in self.reqs]
+
+    def check_invariants(self) -> None:
+        live = torch.cat(self.live_slots())
+        free = self.allocator.free_pages
+        everything = torch.cat([live, free])
+        assert everything.numel() == self.size, "a slot leaked or was freed twice"
+        assert torch.equal(everything.sort().values, torch.arange(1, self.size + 1)), "slot ids not conserved"
+        for i, r in enumerate(self.reqs):
+            slots = self.live_slots()[i]
+            logical = torch.tensor(self.expected.logical[i])
+            assert slots.numel() == logical.numel()
+            for layer in range(L):  # the cache holds exactly the reference's tokens, in token order
+                assert torch.equal(self.kv_pool.k_buffer[layer][slots], self.tables.keys[i, layer, logical])
+            assert evicted_count(r) == int(logical[-1]) + 1 - logical.numel()
+
+
+RKV = KVCompressConfig(method="rkv", budget=16, buffer=4, window=4, n_sink=2, granularity="model")
+SNAP = KVCompressConfig(method="snapkv", budget=12, buffer=3, window=3, kernel_size=3, granularity="model")
+
+
+@pytest.mark.parametrize("make_pools", POOLS)
+@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+def test_decode_loop_compacts_like_the_reference_without_leaks(make_pools, cfg):
+    prompt_lens = [5, 23, 14]  # below, above and between budget and budget + buffer
+    sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens)), prompt_lens)
+    sched.prefill()
+    sched.check_invariants()
+    for _ in range(30):
+        batch = sched.decode_step()
+        sched.check_invariants()
+        # physical lengths stay within B .. B + buffer once compression started; seq_lens mirror seq_lens_cpu
+        assert torch.equal(batch.seq_lens, batch.seq_lens_cpu)
+        for r, n in zip(sched.reqs, batch.seq_lens_cpu.tolist()):
+            assert n == r.kv_committed_len == r.kv_allocated_len
+            assert n <= cfg.budget + cfg.buffer
+    for i, r in enumerate(sched.reqs):
+        n0 = len(r.origin_input_ids)
+        # positions given to RoPE are the logical indices n0, n0 + 1, ... whatever was evicted
+        assert sched.positions_seen[i] == list(range(n0, n0 + 30))
+        logical = sched.expected.logical[i]
+        assert logical[: cfg.sinks] == list(range(cfg.sinks))  # sinks kept
+        total = n0 + 30
+        assert logical[-cfg.window :] == list(range(total - cfg.window, total))  # window kept
+        assert evicted_count(r) > 0  # every request was compressed at least once in 30 steps
+    sched.finish_all()
+    assert sched.allocator.available_size() == sched.size  # back to full: nothing leaked
+    assert torch.equal(sched.allocator.free_pages.sort().values, torch.arange(1, sched.size + 1))
+
+
+@pytest.mark.parametrize("make_pools", POOLS)
+def test_attention_over_compacted_cache_equals_masked_dense_attention(make_pools):
+    cfg = RKV
+    sched = MiniScheduler(cfg, make_pools(rows=2, size=96), Tables.random(1, seed=3), [27])
+    sched.prefill()
+    for _ in range(9):
+        sched.decode_step()
+    req, t = sched.reqs[0], sched.tables
+    slots = sched.live_slots()[0]
+    kept_logical = torch.tensor(sched.expected.logical[0])
+    total = int(kept_logical[-1]) + 1
+    q_pos = total - 1
+    group = HQ // HKV
+    for layer in range(L):
+        q = t.queries[0, layer, q_pos]  # [HQ, D]
+        # compacted: what an attention kernel reads through req_to_token[row, :seq_len]
+        k_c = sched.kv_pool.k_buffer[layer][slots].repeat_interleave(group, dim=1)  # [n, HQ, D]
+        v_c = sched.kv_pool.v_buffer[layer][slots].repeat_interleave(group, dim=1)
+        out_c = torch.einsum("hn,nhd->hd", torch.softmax(torch.einsum("hd,nhd->hn", q, k_c) / math.sqrt(D), -1), v_c)
+        # dense over every logical token, masked to the kept set
+        k_d = t.keys[0, layer, :total].repeat_interleave(group, dim=1)
+        v_d = t.values[0, layer, :total].repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,nhd->hn", q, k_d) / math.sqrt(D)
+        mask = torch.full((total,), float("-inf"))
+        mask[kept_logical] = 0.0
+        out_d = torch.einsum("hn,nhd->hd", torch.softmax(logits + mask, -1), v_d)
+        torch.testing.assert_close(out_c, out_d, rtol=1e-5, atol=1e-6)
+    assert slots.numel() < total  # something really was evicted
+
+
+def test_kept_history_follows_the_budget_cycle():
+    cfg = KVCompressConfig(method="streaming", budget=10, buffer=3, window=2, granularity="model")
+    sched = MiniScheduler(cfg, replica_pools(rows=1, size=64), Tables.random(1), [6])
+    sched.prefill()
+    for _ in range(12):
+        sched.decode_step()
+    history = sched.reqs[0].customized_info[KEPT_INFO_KEY]
+    # token 0 from prefill reads 6; decode tokens read 7, 8, ... until 13 = B + buffer would be reached, then
+    # the cache is cut to B = 10 before the step and reads 11, and so on
+    assert history == [6, 7, 8, 9, 10, 11, 12, 13, 11, 12, 13, 11, 12]
+    assert len(history) == len(sched.reqs[0].output_ids)
+
+
+def test_reset_request_and_runtime_reset():
+    req = SimpleNamespace()
+    setattr(req, EVICTED_ATTR, 7)
+    reset_request(req)
+    assert evicted_count(req) == 0
+    sched = MiniScheduler(RKV, replica_pools(rows=1, size=64), Tables.random(1), [8])
+    sched.prefill()
+    sched.decode_step()
+    assert any(buf.abs().sum() > 0 for buf in sched.runtime.q_buffers)
+    sched.runtime.reset()
+    assert all(buf.eq(0).all() for buf in sched.runtime.q_buffers)
+    assert sched.runtime.counters.compressions == 0

@@ -1,0 +1,252 @@
+"""Plugin wiring: config transport, start-up preconditions, hook behaviour, and (marker `sglang`) the real
+HookRegistry of the pinned SGLang applying every hook on CPU.
+
+Slow set: `python -m pytest -q -p no:cacheprovider -m sglang tests/test_sglang_plugin.py`.
+"""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_patches import hooks
+from sglang_patches.hooks import (
+    HOOKS,
+    after_flush_cache,
+    after_forward_batch_init_new,
+    after_reset_for_retract,
+    around_prepare_for_decode,
+    around_radix_attention_forward,
+)
+from sglang_patches.preconditions import (
+    SparseKVPreconditionError,
+    check_model_runner,
+    check_server_args,
+    raise_if_problems,
+)
+from sglang_patches.runtime import EVICTED_ATTR
+from sglang_patches.settings import ENV_VAR, config_from_environ, decode_config, encode_config
+from slime_sparse.kv import KVCompressConfig
+
+CFG = KVCompressConfig(method="rkv", budget=32, buffer=8, window=4, granularity="model")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# settings
+# ----------------------------------------------------------------------------------------------------------------
+def test_config_round_trips_through_the_environment():
+    env = {ENV_VAR: encode_config(CFG)}
+    assert config_from_environ(env) == CFG
+    assert config_from_environ({}) is None
+    assert config_from_environ({ENV_VAR: encode_config(KVCompressConfig(method="none", granularity="model"))}) is None
+
+
+def test_config_refuses_per_head_selection_and_bad_input():
+    with pytest.raises(ValueError, match="--kv-granularity='head'"):
+        encode_config(KVCompressConfig(method="rkv", granularity="head"))
+    with pytest.raises(ValueError, match="--kv-budget"):
+        decode_config(json.dumps({"method": "rkv", "budget": 4, "window": 8, "granularity": "model"}))
+    with pytest.raises(ValueError, match="unknown KVCompressConfig fields"):
+        decode_config(json.dumps({"method": "rkv", "granularity": "model", "bogus": 1}))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        decode_config("{")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# preconditions
+# ----------------------------------------------------------------------------------------------------------------
+def good_server_args(**overrides):
+    graphs = SimpleNamespace(prefill=SimpleNamespace(backend="disabled"), decode=SimpleNamespace(backend="full"))
+    args = dict(page_size=1, disable_radix_cache=True, disable_overlap_schedule=True, enable_mixed_chunk=False,
+                speculative_algorithm=None, tp_size=1, pp_size=1, enable_dp_attention=False,
+                enable_torch_compile=False, kv_cache_dtype="auto", attention_backend="fa3",
+                disaggregation_mode="null", cuda_graph_config=graphs)
+    args.update(overrides)
+    return SimpleNamespace(**args)
+
+
+def test_supported_server_args_pass():
+    assert check_server_args(good_server_args()) == []
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ({"page_size": 16}, "--page-size 1"),
+        ({"disable_radix_cache": False}, "--disable-radix-cache"),
+        ({"disable_overlap_schedule": False}, "--disable-overlap-schedule"),
+        ({"speculative_algorithm": "EAGLE"}, "speculative decoding off"),
+        ({"tp_size": 2}, "--tp-size 1"),
+        ({"kv_cache_dtype": "fp8_e4m3"}, "--kv-cache-dtype"),
+        ({"attention_backend": "trtllm_mha"}, "--attention-backend"),
+        ({"cuda_graph_config": SimpleNamespace(prefill=SimpleNamespace(backend="breakable"),
+                                               decode=SimpleNamespace(backend="full"))}, "--cuda-graph-backend-prefill"),
+    ],
+)
+def test_each_unsupported_flag_is_named(override, needle):
+    problems = check_server_args(good_server_args(**override))
+    assert len(problems) == 1 and needle in problems[0]
+    with pytest.raises(SparseKVPreconditionError, match="refuses to start"):
+        raise_if_problems(problems, "server arguments")
+
+
+def _named(cls_name: str, **attrs):
+    return type(cls_name, (), attrs)()
+
+
+def good_model_runner(**overrides):
+    pool = _named("MHATokenToKVPool", kv_cache_layout="nhd", store_dtype=torch.bfloat16, dtype=torch.bfloat16)
+    mha = SimpleNamespace(attention_arch=SimpleNamespace(name="MHA"))
+    runner = dict(server_args=good_server_args(), model_config=mha,
+                  is_hybrid_swa=False, mambaish_config=None, model_is_mrope=False, is_draft_worker=False,
+                  req_to_token_pool=_named("ReqToTokenPool"), token_to_kv_pool=pool,
+                  token_to_kv_pool_allocator=_named("TokenToKVPoolAllocator"))
+    runner.update(overrides)
+    return SimpleNamespace(**runner)
+
+
+def test_model_runner_checks():
+    assert check_model_runner(good_model_runner()) == []
+    mla = good_model_runner(model_config=SimpleNamespace(attention_arch=SimpleNamespace(name="MLA")))
+    assert any("MHA/GQA" in p for p in check_model_runner(mla))
+    paged = good_model_runner(token_to_kv_pool_allocator=_named("PagedTokenToKVPoolAllocator"))
+    assert any("TokenToKVPoolAllocator" in p for p in check_model_runner(paged))
+    fp8 = good_model_runner(token_to_kv_pool=_named("MHATokenToKVPool", kv_cache_layout="nhd",
+                                                    store_dtype=torch.uint8, dtype=torch.float8_e4m3fn))
+    assert any("fp8" in p for p in check_model_runner(fp8))
+    unresolved = good_model_runner(server_args=good_server_args(attention_backend=None))
+    assert any("resolved to None" in p for p in check_model_runner(unresolved))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hooks (with a stand-in runtime that records calls)
+# ----------------------------------------------------------------------------------------------------------------
+class RecordingRuntime:
+    def __init__(self):
+        self.calls: list[str] = []
+        self.kv_pool = SimpleNamespace(start_layer=0)
+
+    def compact_batch(self, batch):
+        self.calls.append("compact")
+
+    def record_kept(self, batch):
+        self.calls.append("record")
+
+    def capture_queries(self, layer_index, q, forward_batch):
+        self.calls.append(f"capture{layer_index}")
+
+    def logical_decode_positions(self, positions, reqs):
+        return positions + 100
+
+    def reset(self):
+        self.calls.append("reset")
+
+
+class Mode:
+    def __init__(self, decode: bool):
+        self.decode = decode
+
+    def is_decode(self):
+        return self.decode
+
+    def is_none(self):  # doubles as spec_algorithm
+        return True
+
+
+@pytest.fixture
+def runtime():
+    rt = RecordingRuntime()
+    hooks.set_runtime(rt)
+    yield rt
+    hooks.set_runtime(None)
+
+
+def test_prepare_for_decode_compacts_before_sglang_allocates_and_records_after(runtime):
+    def original(batch):
+        runtime.calls.append("sglang")
+        return "done"
+
+    batch = SimpleNamespace(spec_algorithm=Mode(True))
+    assert around_prepare_for_decode(original, batch) == "done"
+    assert runtime.calls == ["compact", "sglang", "record"]
+
+
+def test_hooks_are_inert_without_runtime():
+    hooks.set_runtime(None)
+    calls = []
+    around_prepare_for_decode(lambda b: calls.append("sglang"), SimpleNamespace())
+    out = SimpleNamespace(forward_mode=Mode(True), positions=torch.tensor([3]))
+    assert after_forward_batch_init_new(out, None, SimpleNamespace(reqs=[])).positions.tolist() == [3]
+    assert calls == ["sglang"]
+
+
+def test_init_new_shifts_decode_positions_only(runtime):
+    decode = SimpleNamespace(forward_mode=Mode(True), positions=torch.tensor([3, 4]))
+    extend = SimpleNamespace(forward_mode=Mode(False), positions=torch.tensor([3, 4]))
+    assert after_forward_batch_init_new(decode, None, SimpleNamespace(reqs=[])).positions.tolist() == [103, 104]
+    assert after_forward_batch_init_new(extend, None, SimpleNamespace(reqs=[])).positions.tolist() == [3, 4]
+
+
+def test_attention_hook_captures_then_runs_the_original(runtime):
+    layer = SimpleNamespace(layer_id=5)
+    def original(*args, **kwargs):
+        return ("attn", args[1:4], kwargs)
+
+    out = around_radix_attention_forward(original, layer, "q", "k", "v", "fb", save_kv_cache=False)
+    assert out == ("attn", ("q", "k", "v"), {"save_kv_cache": False})
+    assert runtime.calls == ["capture5"]
+
+
+def test_flush_resets_only_on_success_and_retract_resets_request(runtime):
+    after_flush_cache(False, None)
+    assert runtime.calls == []
+    after_flush_cache(True, None)
+    assert runtime.calls == ["reset"]
+    req = SimpleNamespace(**{EVICTED_ATTR: 12})
+    after_reset_for_retract(None, req)
+    assert getattr(req, EVICTED_ATTR) == 0
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the real HookRegistry of the pinned SGLang, on CPU
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_hook_registry_applies_every_hook(monkeypatch):
+    from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
+
+    activate_cpu_import_env(prepare_cpu_import_env())
+    import pkgutil
+
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_patches.plugin import register
+
+    monkeypatch.setenv(ENV_VAR, encode_config(CFG))
+    HookRegistry.reset()
+    register()
+    HookRegistry.apply_hooks()
+    hooks.verify_hooks_applied()  # raises if any target failed to resolve or patch
+    for spec in HOOKS:
+        owner, name = spec.target.rsplit(".", 1)
+        cls = pkgutil.resolve_name(owner)
+        patched = getattr(cls, name)
+        assert getattr(patched, "__wrapped__", None) is not None, spec.target  # the registry's wrapper is installed
+
+    # the hooked Req.reset_for_retract really runs our AFTER hook: a dummy with the attributes it resets
+    from sglang.srt.managers.schedule_batch import Req
+
+    dummy = Req.__new__(Req)
+    dummy.retraction_count = 0
+    dummy.input_embeds = None  # the two attributes reset_for_retract reads; it assigns the rest
+    setattr(dummy, EVICTED_ATTR, 9)
+    Req.reset_for_retract(dummy)
+    assert getattr(dummy, EVICTED_ATTR) == 0 and dummy.kv_committed_len == 0
+
+    # and a missing target is reported, not ignored
+    HookRegistry._patched.discard(HOOKS[0].target)
+    with pytest.raises(SparseKVPreconditionError, match="were not applied"):
+        hooks.verify_hooks_applied()
+    HookRegistry._patched.add(HOOKS[0].target)
