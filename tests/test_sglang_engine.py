@@ -6,7 +6,6 @@ and the plugin's per-token meta_info["sparse_kv_kept"]; control endpoints record
 """
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,9 +20,7 @@ from slime_sparse.rollout.sglang import (
     SGLangEngineConfig,
     SGLangHTTPError,
     SGLangRolloutEngine,
-    add_sglang_arguments,
     budgeted_cache_flags,
-    config_from_args,
     kv_stats_from_kept,
     server_command,
     server_env,
@@ -204,16 +201,19 @@ def test_server_command_and_env_carry_the_budgeted_cache():
     assert "SLIME_SPARSE_KV_CONFIG" not in server_env(None, 0, base={"SLIME_SPARSE_KV_CONFIG": "stale"})
 
 
-def test_passthrough_flags():
-    parser = argparse.ArgumentParser()
-    add_sglang_arguments(parser)
-    parser.add_argument("--lr", type=float)
-    argv = ["--lr", "1e-6", "--sglang-num-servers", "2", "--sglang-max-total-tokens", "8192",
-            "--sglang-enable-metrics", "--sglang-log-level=warning"]
-    kept, passthrough = split_passthrough(argv, parser)
-    assert passthrough == ["--max-total-tokens", "8192", "--enable-metrics", "--log-level=warning"]
-    args = parser.parse_args(kept)
-    cfg = config_from_args(args, "/model", passthrough)
-    assert cfg.num_servers == 2 and cfg.router_enabled and cfg.extra_args == passthrough
+def test_passthrough_flags(tmp_path):
+    """Unknown --sglang-X flags reach the servers as --X; ours land in the run config's sglang section."""
+    from slime_sparse.config import load_config
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
+    argv = ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--lr", "1e-6",
+            "--sglang-num-servers", "2", "--sglang-max-total-tokens", "8192",
+            "--sglang-enable-metrics", "--sglang-log-level=warning", "--sglang-gpu-ids", "4,5"]
+    cfg = load_config(argv).sglang
+    assert cfg.extra_args == ("--max-total-tokens", "8192", "--enable-metrics", "--log-level=warning")
+    assert cfg.num_servers == 2 and cfg.router_enabled and cfg.gpu_ids == (4, 5)
+    kept, passthrough = split_passthrough(["--lr", "1", "--sglang-x", "--sglang-y", "2"], {"--lr"})
+    assert kept == ["--lr", "1"] and passthrough == ["--x", "--y", "2"]
     with pytest.raises(ValueError, match="--sglang-num-servers"):
         SGLangEngineConfig(model_path="/m", num_servers=0).validate()

@@ -60,7 +60,7 @@ def run(model: Path, kv: KVCompressConfig | None, cuda_graph: bool, log_dir: Pat
         alive = engine.generate_client.health()
         return outs, alive
     finally:
-        engine.shutdown()
+        engine.close()
 
 
 def main() -> int:

@@ -4,7 +4,7 @@ Importing this package needs neither SGLang nor Ray: servers are child processes
 imported by `actor` only when an actor is built.
 """
 from .client import SGLangClient, SGLangHTTPError, kv_stats_from_kept, parse_generate_response, sampling_payload
-from .config import SGLangEngineConfig, add_sglang_arguments, config_from_args, split_passthrough
+from .config import SGLangEngineConfig, split_passthrough
 from .engine import DistributedWeightSync, SGLangRolloutEngine, TensorWeightSync
 from .launch import ServerGroup, budgeted_cache_flags, server_command, server_env
 
@@ -16,9 +16,7 @@ __all__ = [
     "SGLangRolloutEngine",
     "ServerGroup",
     "TensorWeightSync",
-    "add_sglang_arguments",
     "budgeted_cache_flags",
-    "config_from_args",
     "kv_stats_from_kept",
     "parse_generate_response",
     "sampling_payload",

@@ -52,7 +52,7 @@ class SGLangEngineActor:
         self.engine.resume_memory()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        self.engine.close()
 
 
 def make_engine_actor_class(num_gpus: int, **ray_options: Any):

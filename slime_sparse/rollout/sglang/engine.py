@@ -216,7 +216,7 @@ class SGLangRolloutEngine:
         for c in self.clients:
             c.resume_memory_occupation()
 
-    def shutdown(self) -> None:
+    def close(self) -> None:
         if self._servers is not None:
             self._servers.stop()
             self._servers = None

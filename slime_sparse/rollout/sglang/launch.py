@@ -129,6 +129,8 @@ class ServerGroup:
     @classmethod
     def launch(cls, cfg: SGLangEngineConfig, kv: KVCompressConfig | None, log_dir: Path) -> "ServerGroup":
         cfg.validate()
+        if not cfg.model_path:
+            raise ValueError("--hf-checkpoint must name the model the SGLang servers load")
         gpu_ids = cfg.gpu_ids if cfg.gpu_ids is not None else list(range(cfg.num_servers))
         servers, urls = [], []
         router = None
