@@ -24,7 +24,8 @@ EXTRAS = {
     "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
-    "megatron": ["megatron-core>=0.13", "mbridge>=0.15"],
+    # megatron-core 0.16.1 is the newest the registry serves (checked 2026-11); psutil for its checkpoint writer
+    "megatron": ["megatron-core==0.16.1", "psutil"],
     "sglang": [f"sglang=={SGLANG_VERSION}"],
     "wandb": ["wandb>=0.17"],
 }

@@ -9,9 +9,15 @@ that call CUDA unconditionally:
    all-gathers and by the local attention's score buffer);
 3. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on the first forward.
 
+Saving a distributed checkpoint (dist_checkpointing, torch_dist format) adds two more: the writer's
+`preload_tensors` calls `torch.cuda.synchronize()` and `save_state_dict_async_finalize` broadcasts a
+flag allocated on `torch.cuda.current_device()`. (A fourth forward-time one, the default causal mask
+built with device="cuda" when no mask is passed, is avoided by always passing the mask: see
+logprobs.causal_mask.)
+
 `apply_cpu_shim()` replaces (1) with a tracker that keeps *CPU* generator states under the same names,
-and runs (2) and (3) with `torch.cuda.current_device()` answering "cpu" for the duration of those two
-calls only. It is a no-op when CUDA is available, idempotent, and touches nothing else. Megatron's own
+and runs the other methods with `torch.cuda.current_device()` answering "cpu" and
+`torch.cuda.synchronize()` doing nothing, for the duration of those calls only. It is a no-op when CUDA is available, idempotent, and touches nothing else. Megatron's own
 DDP buffers, distributed optimizer and pipeline schedules remain CUDA-only: on CPU the learner drives
 the model with a torch optimizer (see learner.py).
 """
@@ -28,13 +34,15 @@ _APPLIED = False
 
 @contextlib.contextmanager
 def _current_device_is_cpu() -> Iterator[None]:
-    """Make `torch.cuda.current_device()` return "cpu" inside the block (only used when CUDA is absent)."""
-    original = torch.cuda.current_device
+    """Inside the block `torch.cuda.current_device()` answers "cpu" and `torch.cuda.synchronize()` does
+    nothing (only used when CUDA is absent, where both would raise)."""
+    device, sync = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     try:
         yield
     finally:
-        torch.cuda.current_device = original  # type: ignore[assignment]
+        torch.cuda.current_device, torch.cuda.synchronize = device, sync  # type: ignore[assignment]
 
 
 def _on_cpu(method: Callable) -> Callable:
@@ -101,6 +109,15 @@ def apply_cpu_shim() -> bool:
 
     mutils.GlobalMemoryBuffer.get_tensor = _on_cpu(mutils.GlobalMemoryBuffer.get_tensor)
     rope.RotaryEmbedding.get_emb = _on_cpu(rope.RotaryEmbedding.get_emb)
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    writer = filesystem_async.FileSystemWriterAsync
+    writer.preload_tensors = staticmethod(_on_cpu(writer.preload_tensors))
+    finalize = _on_cpu(state_dict_saver.save_state_dict_async_finalize)
+    state_dict_saver.save_state_dict_async_finalize = finalize
+    torch_strategy.save_state_dict_async_finalize = finalize  # imported there by name
     _APPLIED = True
     return True
 

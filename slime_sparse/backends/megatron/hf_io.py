@@ -97,9 +97,10 @@ def _pipeline_owner(name: str, spec: ModelSpec, pp_size: int) -> int:
 
 
 @torch.no_grad()
-def export_hf_weights(model: torch.nn.Module, spec: ModelSpec) -> Iterator[tuple[str, Tensor]]:
+def export_hf_weights(model: torch.nn.Module, spec: ModelSpec, *, grads: bool = False) -> Iterator[tuple[str, Tensor]]:
     """Yield (HF name, full tensor) for the whole model, on every rank (a collective: all ranks must
-    iterate it to the end). TP shards are all-gathered; with PP the owning stage broadcasts."""
+    iterate it to the end). TP shards are all-gathered; with PP the owning stage broadcasts.
+    `grads=True` exports the parameters' gradients instead (zeros where there is none), for checks."""
     from megatron.core import parallel_state as ps
 
     tp_size = ps.get_tensor_model_parallel_world_size()
@@ -111,16 +112,23 @@ def export_hf_weights(model: torch.nn.Module, spec: ModelSpec) -> Iterator[tuple
         owner = _pipeline_owner(rule.megatron_name, spec, pp_size)
         full = None
         if owner == pp_rank:
-            shard = local[rule.megatron_name].detach().contiguous()
+            param = local[rule.megatron_name]
+            shard = _grad_or_zeros(param) if grads else param.detach().contiguous()
             if tp_size > 1 and rule.kind != "replicated":
                 parts = [torch.empty_like(shard) for _ in range(tp_size)]
                 dist.all_gather(parts, shard, group=ps.get_tensor_model_parallel_group())
             else:
-                parts = [shard]
+                parts = [shard.clone()]  # a snapshot: the exported tensors must not alias live parameters
             full = wm.unshard(rule, parts)
         if pp_size > 1:
             full = _broadcast_from_stage(full, owner)
         yield from wm.full_to_hf_named(rule, full, spec)
+
+
+def _grad_or_zeros(param: torch.nn.Parameter) -> Tensor:
+    grad = getattr(param, "main_grad", None)  # Megatron DDP accumulates into main_grad
+    grad = param.grad if grad is None else grad
+    return torch.zeros_like(param) if grad is None else grad.detach().contiguous()
 
 
 def _broadcast_from_stage(tensor: Tensor | None, owner_stage: int) -> Tensor:

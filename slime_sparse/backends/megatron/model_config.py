@@ -196,8 +196,13 @@ def build_gpt_model(
     use_te: bool | None = None,
     sequence_parallel: bool = False,
     vocab_divisible_by: int = 128,
+    recompute_activations: bool = False,
 ):
-    """Build this rank's GPTModel stage (parallel state initialised; CPU shim applied when no CUDA)."""
+    """Build this rank's GPTModel stage (parallel state initialised; CPU shim applied when no CUDA).
+
+    Weights are randomly initialised even when they are loaded right after: megatron-core only marks
+    parameters as tensor-parallel (`tensor_model_parallel`, read by grad-norm clipping and the
+    optimizer) inside its init path."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -205,7 +210,14 @@ def build_gpt_model(
 
     apply_cpu_shim()
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(spec, tp_size=tp, pp_size=pp, params_dtype=params_dtype, sequence_parallel=sequence_parallel)
+    config = transformer_config(
+        spec,
+        tp_size=tp,
+        pp_size=pp,
+        params_dtype=params_dtype,
+        sequence_parallel=sequence_parallel,
+        recompute_activations=recompute_activations,
+    )
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(spec, use_te),

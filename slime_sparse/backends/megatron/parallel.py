@@ -86,15 +86,28 @@ def _spawn_entry(rank: int, world_size: int, port: int, fn: Callable, args: tupl
             destroy_parallel()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, result_dir: str | None = None) -> list[Any] | None:
+def spawn(
+    fn: Callable[..., Any], world_size: int, *args: Any, result_dir: str | None = None, timeout_s: float | None = None
+) -> list[Any] | None:
     """Run `fn(rank, world_size, *args)` in `world_size` local processes (gloo on 127.0.0.1, a free port).
 
     `fn` must be importable (module level). With `result_dir`, each rank's return value is saved there
-    with torch.save and the list of them (rank order) is returned. An exception on any rank propagates.
+    with torch.save and the list of them (rank order) is returned. An exception on any rank propagates;
+    past `timeout_s` every process is terminated and TimeoutError raised (a hung collective would
+    otherwise block forever).
     """
+    import time
+
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size, join=True)
+    ctx = mp.spawn(_spawn_entry, args=(world_size, free_port(), fn, args, result_dir), nprocs=world_size, join=False)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if deadline is not None and time.monotonic() > deadline:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} did not finish on {world_size} ranks within {timeout_s} s")
     if result_dir is None:
         return None
     return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

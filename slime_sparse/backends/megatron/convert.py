@@ -1,0 +1,84 @@
+"""HF directory <-> Megatron distributed checkpoint, at a given TP / PP layout (the converters' logic).
+
+Conversion is a host-memory job: the tools hide GPUs (CUDA_VISIBLE_DEVICES="") and run `tp * pp` local
+processes over gloo, each building its own model stage and reading / writing only its shards. The
+torch_dist checkpoint format reshards on load, so a checkpoint saved at one layout can be loaded by a
+learner (or the reverse converter) at another.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"--dtype={name!r} is invalid: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def _hf_to_megatron_worker(rank: int, world_size: int, hf_dir: str, out_dir: str, tp: int, pp: int, dtype: torch.dtype) -> None:
+    from .checkpoint import save_model
+    from .hf_io import HFWeights, load_hf_weights
+    from .model_config import ModelSpec, build_gpt_model, read_hf_config
+    from .parallel import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig(tp, pp))
+    hf_config = read_hf_config(hf_dir)
+    spec = ModelSpec.from_hf_config(hf_config)
+    model = build_gpt_model(spec, params_dtype=dtype)
+    load_hf_weights(model, spec, HFWeights(hf_dir))
+    save_model(model, out_dir, hf_config=hf_config, hf_dir=hf_dir)
+
+
+def _megatron_to_hf_worker(rank: int, world_size: int, ckpt_dir: str, out_dir: str, tp: int, pp: int, dtype: torch.dtype) -> None:
+    from .checkpoint import HF_EXTRA_DIR, copy_hf_side_files, load_model, read_meta
+    from .hf_io import export_hf_weights, save_hf_checkpoint
+    from .model_config import ModelSpec, build_gpt_model
+    from .parallel import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig(tp, pp))
+    hf_config = read_meta(ckpt_dir)["hf_config"]
+    spec = ModelSpec.from_hf_config(hf_config)
+    model = build_gpt_model(spec, params_dtype=dtype)
+    load_model(model, ckpt_dir)
+    weights = export_hf_weights(model, spec)  # collective: every rank iterates it
+    if rank == 0:
+        save_hf_checkpoint(weights, out_dir, hf_config)
+        copy_hf_side_files(os.path.join(ckpt_dir, HF_EXTRA_DIR), out_dir)
+    else:
+        for _ in weights:
+            pass
+
+
+def _check_layout(tp: int, pp: int) -> None:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"--tp and --pp must be >= 1, got tp={tp} pp={pp}")
+
+
+def hf_to_megatron(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "bfloat16") -> None:
+    """Convert an HF Qwen2/Llama directory into a Megatron distributed checkpoint saved at TP x PP."""
+    from .model_config import ModelSpec, transformer_config
+    from .parallel import spawn
+
+    _check_layout(tp, pp)
+    transformer_config(ModelSpec.from_hf_dir(hf_dir), tp_size=tp, pp_size=pp)  # validates the layout early
+    spawn(_hf_to_megatron_worker, tp * pp, hf_dir, out_dir, tp, pp, parse_dtype(dtype))
+
+
+def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "bfloat16") -> None:
+    """Convert a Megatron distributed checkpoint (any saved layout) into an HF directory, loading it at TP x PP."""
+    from .checkpoint import read_meta
+    from .parallel import spawn
+
+    _check_layout(tp, pp)
+    read_meta(ckpt_dir)  # clear error before starting processes
+    spawn(_megatron_to_hf_worker, tp * pp, ckpt_dir, out_dir, tp, pp, parse_dtype(dtype))
+
+
+def hide_gpus() -> None:
+    """Conversion runs on CPU over gloo; call before torch initialises CUDA."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
