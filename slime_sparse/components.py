@@ -13,7 +13,6 @@ import torch
 from slime_sparse.config import RunConfig
 from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
 from slime_sparse.reward import get_reward_fn
-from slime_sparse.utils.checkpoint import load_training_state, save_hf, save_training_state
 from slime_sparse.utils.logging import progress_bar
 
 
@@ -58,8 +57,6 @@ def build_engine(cfg: RunConfig, kv=None, model: torch.nn.Module | None = None):
     """The rollout engine for `cfg` (optionally with another KV config, sharing `model`'s weights)."""
     kv = cfg.kv if kv is None else kv
     if cfg.rollout.engine == "sglang":
-        from slime_sparse.rollout.sglang import build_sglang_engine
-
         return build_sglang_engine(cfg, kv)
     from slime_sparse.backends.embedded.learner import resolve_device
     from slime_sparse.rollout.embedded import EmbeddedEngine
@@ -71,6 +68,25 @@ def build_engine(cfg: RunConfig, kv=None, model: torch.nn.Module | None = None):
                           max_prompt_len=cfg.data.max_prompt_len)
 
 
+def build_sglang_engine(cfg: RunConfig, kv):
+    """Patched SGLang servers (GPU only; see sglang_patches/README.md) fed by NCCL broadcast from this process."""
+    import dataclasses
+    import os
+    import socket
+    from pathlib import Path
+
+    from slime_sparse.rollout.sglang import DistributedWeightSync, SGLangRolloutEngine
+
+    sg = dataclasses.replace(cfg.sglang, model_path=cfg.train.hf_checkpoint)
+    sync = DistributedWeightSync(bucket_bytes=cfg.cluster.update_weight_buffer_size)
+    engine = SGLangRolloutEngine.launch(sg, kv, Path(cfg.log.run_dir) / "sglang_logs", weight_sync=sync)
+    with socket.socket() as sock:  # a free port for the weight-update group's rendezvous
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    sync.init(engine.clients, os.environ.get("MASTER_ADDR", socket.gethostbyname(socket.gethostname())), port)
+    return engine
+
+
 @dataclass
 class Components:
     cfg: RunConfig
@@ -80,6 +96,7 @@ class Components:
     learner: Any
     engine: Any
     eval_records: list = field(default_factory=list)
+    ray: Any = None  # slime_sparse.ray.build.RayBackends when --use-ray (learner and engine are its groups)
     _eval_engines: dict = field(default_factory=dict)
 
     def progress(self, iterable, **kw):
@@ -92,30 +109,37 @@ class Components:
         if mode not in self._eval_engines:
             from slime_sparse.kv.config import KVCompressConfig
 
-            shared = getattr(self.engine, "model", None)
-            self._eval_engines[mode] = build_engine(self.cfg, kv=KVCompressConfig(method="none"), model=shared)
+            kv = KVCompressConfig(method="none")
+            if self.ray is not None:  # the same engine actors, generating under another KV config
+                self._eval_engines[mode] = self.engine.with_kv(kv)
+            else:
+                self._eval_engines[mode] = build_engine(self.cfg, kv=kv, model=getattr(self.engine, "model", None))
         return self._eval_engines[mode]
 
     def save_checkpoint(self, save_dir: str, step: int) -> str:
         import os
 
         path = os.path.join(save_dir, f"rollout_{step:06d}")
-        save_training_state(
-            path, model=self.learner.model, optimizer=self.learner.optimizer, scheduler=self.learner.scheduler,
-            step=step, data_state=self.stream.state_dict(), extra={"learner_step": self.learner.step},
-            tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last,
-        )
+        # the learner owns its state (Ray: rank 0 writes it); the loop adds the data position
+        self.learner.save_checkpoint(path, step=step, data_state=self.stream.state_dict(), extra={},
+                                     tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last)
         return path
 
     def load_checkpoint(self, path: str) -> int:
-        state = load_training_state(path, self.learner.model, self.learner.optimizer, self.learner.scheduler)
+        state = self.learner.load_checkpoint(path)  # Ray: every rank restores itself
         self.stream.load_state_dict(state["data_state"])
-        self.learner.step = state["extra"]["learner_step"]
-        self.engine.update_weights(dict(self.learner.named_weights()))
+        self.sync_weights()
         return int(state["step"])
 
+    def sync_weights(self) -> None:
+        """Give the rollout engine the learner's current weights (Ray: learner rank 0 -> engine actors directly)."""
+        if self.ray is not None:
+            self.engine.sync_from(self.learner)
+        else:
+            self.engine.update_weights(dict(self.learner.named_weights()))
+
     def close(self) -> None:
-        for obj in (self.reward_fn, self.engine, *self._eval_engines.values()):
+        for obj in (self.reward_fn, self.engine, *self._eval_engines.values(), self.ray):
             close = getattr(obj, "close", None)
             if callable(close):
                 close()
@@ -144,8 +168,25 @@ def build_components(cfg: RunConfig) -> Components:
         import dataclasses
 
         cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, stop_token_ids=stop_ids(cfg, tokenizer)))
-    learner = build_learner(cfg)
-    engine = build_engine(cfg)
-    engine.update_weights(dict(learner.named_weights()))
-    return Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=get_reward_fn(cfg.reward),
-                      learner=learner, engine=engine, eval_records=eval_records)
+    reward_fn = get_reward_fn(cfg.reward)
+    ray_backends = None
+    if cfg.cluster.use_ray:  # learner ranks and engines as Ray actors (slime_sparse/ray)
+        from slime_sparse.ray.build import build_ray_backends
+
+        try:
+            ray_backends = build_ray_backends(cfg)
+        except BaseException:
+            getattr(reward_fn, "close", lambda: None)()
+            raise
+        learner, engine = ray_backends.learner, ray_backends.engine
+    else:
+        learner = build_learner(cfg)
+        engine = build_engine(cfg)
+    comp = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn,
+                      learner=learner, engine=engine, eval_records=eval_records, ray=ray_backends)
+    try:
+        comp.sync_weights()
+    except BaseException:
+        comp.close()  # actors and reward workers must not outlive a failed start
+        raise
+    return comp

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -19,10 +20,12 @@ import yaml
 
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
+from slime_sparse.backends.megatron.learner import MegatronConfig  # megatron-core itself is imported only when used
 from slime_sparse.data.prompt_dataset import DataConfig
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.sampling import SamplingParams
+from slime_sparse.rollout.sglang.config import SGLangEngineConfig, split_passthrough
 
 TRAIN_BACKENDS = ("embedded", "megatron")
 ROLLOUT_ENGINES = ("embedded", "sglang")
@@ -112,6 +115,54 @@ class LogConfig:
             raise ValueError("--run-dir must not be empty")
 
 
+UPDATE_WEIGHT_MODES = ("auto", "broadcast", "tensor")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the loop's learner and engines run: in this process (default) or as Ray actors (`--use-ray`).
+
+    Layout flags are slime's. On a cluster without GPUs every "GPU" below is a CPU bundle of
+    `ray_cpus_per_actor` CPUs, so `--actor-num-gpus-per-node 2` means two learner ranks per node.
+    """
+
+    use_ray: bool = False
+    ray_address: str = ""  # as ray.init(address=): "" finds a running cluster or starts one; "local"; "host:port"
+    actor_num_nodes: int = 1
+    actor_num_gpus_per_node: int = 1  # data-parallel learner ranks per node
+    rollout_num_gpus: int = 1  # devices (bundles) for all rollout engines together
+    rollout_num_gpus_per_engine: int = 1
+    colocate: bool = False  # learner and engines share devices (engines release memory while the learner trains)
+    ray_cpus_per_actor: float = 1.0  # CPUs in each bundle
+    update_weight_mode: str = "auto"  # broadcast (torch.distributed) | tensor (object store) | auto: tensor iff colocated
+    update_weight_buffer_size: int = 512 * 1024**2  # bytes per broadcast bucket (slime's flag and default)
+    ray_timeout_s: float = 600.0  # bound on every Ray call (placement, a whole rollout, a train step)
+    rollout_max_restarts: int = 3  # engine actors restarted per generate() call before the run fails
+
+    @property
+    def num_learner_ranks(self) -> int:
+        return self.actor_num_nodes * self.actor_num_gpus_per_node
+
+    @property
+    def num_engines(self) -> int:
+        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+
+    def validate(self) -> None:
+        for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
+                     "update_weight_buffer_size"):
+            _positive(self, name, flag_for("cluster", name))
+        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+            raise ValueError(
+                f"--rollout-num-gpus={self.rollout_num_gpus} must be a multiple of "
+                f"--rollout-num-gpus-per-engine={self.rollout_num_gpus_per_engine}"
+            )
+        _positive(self, "ray_cpus_per_actor", "--ray-cpus-per-actor")
+        _positive(self, "ray_timeout_s", "--ray-timeout")
+        if self.rollout_max_restarts < 0:
+            raise ValueError(f"--rollout-max-restarts={self.rollout_max_restarts} is invalid: must be >= 0")
+        _choice(self.update_weight_mode, UPDATE_WEIGHT_MODES, "--update-weight-mode")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -124,6 +175,9 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
     def validate(self) -> None:
         for section in SECTIONS:
@@ -159,7 +213,12 @@ SECTIONS: dict[str, str] = {
     "reward": "",
     "eval": "",
     "log": "",
+    "cluster": "",
+    "sglang": "sglang-",
+    "megatron": "",
 }
+# fields that no flag sets (filled by the loop or by `--sglang-*` pass-through)
+NO_FLAG = {"correction.preset", "sglang.model_path", "sglang.extra_args"}
 
 # slime's spellings (and ours where the generic rule reads badly)
 FLAG_ALIASES: dict[str, str] = {
@@ -175,6 +234,9 @@ FLAG_ALIASES: dict[str, str] = {
     "reward.timeout_s": "--rm-timeout",
     "reward.num_workers": "--rm-num-workers",
     "log.progress": "--progress-bar",
+    "cluster.ray_timeout_s": "--ray-timeout",
+    "megatron.load": "--megatron-load",  # Megatron-LM's --load; ours is the resume directory (--save)
+    "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
 }
 
 
@@ -222,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     for section in SECTIONS:
         cls = default[section].default_factory().__class__
         for f in fields(cls):
-            if f.name == "preset":
+            if f"{section}.{f.name}" in NO_FLAG:
                 continue
             flag = flag_for(section, f.name)
             if flag in seen:
@@ -274,7 +336,11 @@ def _build_section(section: str, cls: type, values: dict[str, Any], source: str)
 
 def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> RunConfig:
     """Parse flags (and the YAML they name) into a validated RunConfig. `base` is a preset dict of sections."""
-    args = vars(build_parser().parse_args(argv))
+    parser = build_parser()
+    # like slime: any --sglang-X that is not ours goes to every SGLang server as --X
+    argv, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv),
+                                          {o for a in parser._actions for o in a.option_strings})
+    args = vars(parser.parse_args(argv))
     merged = _section_values(base or {}, "preset")
     if "config" in args:
         path = args.pop("config")
@@ -285,6 +351,8 @@ def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> R
                 merged.setdefault(section, {}).update(values)
     if "correction_preset" in args:
         merged.setdefault("correction", {})["preset"] = args.pop("correction_preset")
+    if passthrough:
+        merged.setdefault("sglang", {})["extra_args"] = tuple(passthrough)
     defaults = RunConfig()
     for dest, raw in args.items():
         section, name = dest.split(".", 1)

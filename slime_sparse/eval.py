@@ -56,9 +56,7 @@ def evaluate_modes(cfg, comp, *, step: int, logger=None) -> dict[str, dict]:
     modes = ["dense", "sparse"] if cfg.kv.enabled else ["dense"]
     out = {}
     for mode in modes:
-        engine = comp.eval_engine(mode)
-        if engine is not comp.engine:
-            engine.update_weights(dict(comp.learner.named_weights()))
+        engine = comp.eval_engine(mode)  # shares the rollout engine's (synced) weights
         out[mode] = evaluate(engine, comp.eval_records, comp.tokenizer, comp.reward_fn, sampling=eval_sampling(cfg),
                              n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed + step)
         if logger is not None:

@@ -58,7 +58,7 @@ def run_rollout(cfg: RunConfig, comp: Components, rollout_id: int) -> dict[str, 
         metrics[key] = sum(vals) / len(vals)
 
     t3 = time.perf_counter()
-    comp.engine.update_weights(dict(comp.learner.named_weights()))
+    comp.sync_weights()
     t_sync = time.perf_counter() - t3
 
     n_tokens = sum(len(s.response_ids) for s in samples)

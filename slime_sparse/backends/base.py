@@ -59,6 +59,9 @@ class Learner(Protocol):
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full (gathered) weights under Hugging Face names, for syncing rollout engines."""
 
-    def save(self, path: str, extra: dict) -> None: ...
+    def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict, tokenizer,
+                        keep_last: int | None) -> str:
+        """Atomic, resumable checkpoint of weights, optimizer, scheduler, RNG and the loop's `data_state`."""
 
-    def load(self, path: str) -> dict: ...
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore what `save_checkpoint` wrote; returns {"step", "data_state", "extra"}."""

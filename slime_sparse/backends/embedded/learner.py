@@ -15,6 +15,7 @@ from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right, response_logprobs
+from slime_sparse.utils.checkpoint import load_training_state, save_training_state
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,5 +138,14 @@ class EmbeddedLearner:
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         self.model.load_state_dict(state_dict)
 
-    def state(self) -> dict:
-        return {"optimizer": self.optimizer, "scheduler": self.scheduler, "step": self.step}
+    def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict | None = None,
+                        tokenizer=None, keep_last: int | None = None) -> str:
+        """Atomic training checkpoint (HF weights + optimizer + scheduler + RNG + loop state) at `path`."""
+        return save_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   step=step, data_state=data_state, extra={**(extra or {}), "learner_step": self.step},
+                                   tokenizer=tokenizer, keep_last=keep_last)
+
+    def load_checkpoint(self, path: str) -> dict:
+        state = load_training_state(path, self.model, self.optimizer, self.scheduler)
+        self.step = int(state["extra"]["learner_step"])
+        return state

@@ -1,0 +1,362 @@
+"""RayRolloutGroup: the RolloutEngine protocol over several engine actors.
+
+- generate(): the prompts are cut into contiguous, equal-count shards, one per engine, and the results
+  gathered back in input order. Each shard carries its global index offset, so sample i is drawn from
+  the generator of (seed, i) whichever engine runs it: the outputs do not depend on the number of
+  engines, and a re-sent shard reproduces exactly what the lost one would have returned.
+- Faults: an engine actor that dies while serving a shard is replaced by a new actor in the same bundle,
+  given the current weights, and sent that shard again (at most --rollout-max-restarts per call).
+- Weights: `sync_from(learner_group)` moves the learner's weights to every engine without passing
+  through the driver: broadcast from learner rank 0 over a torch.distributed group (weight_sync.py), or
+  in "tensor" mode (colocated default) through the object store. `update_weights(state_dict)` pushes a
+  driver-side state dict. Every sync carries a version that both ends check.
+- Colocated mode: engines release their memory after each generate() (the learner trains next) and
+  resume it before the next one.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+import uuid
+from typing import Mapping
+
+import ray
+import torch
+from ray.exceptions import RayActorError
+
+from slime_sparse.rollout.sampling import SamplingParams
+from slime_sparse.types import GenerationOutput
+
+from .layout import split_contiguous
+from .placement import RayCluster
+from .utils import get, get_each, with_absolute_paths
+from .weight_sync import Bucket, new_group, receive_weights
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_update_mode(mode: str, *, colocate: bool, use_gpu: bool) -> str:
+    """--update-weight-mode: "auto" is tensor handoff when colocated, a broadcast otherwise. NCCL cannot
+    broadcast between two processes on one GPU, so colocated GPU runs must use tensor mode."""
+    if mode == "auto":
+        return "tensor" if colocate else "broadcast"
+    if mode == "broadcast" and colocate and use_gpu:
+        raise ValueError("--update-weight-mode broadcast cannot be used with --colocate on GPUs "
+                         "(NCCL needs one GPU per rank): use tensor or auto")
+    return mode
+
+
+class EngineWorker:
+    """One rollout engine in a Ray actor: the embedded engine for now (SGLang plugs in behind these methods)."""
+
+    def __init__(self, cfg, index: int, timeout_s: float) -> None:
+        from slime_sparse.components import build_engine
+
+        self.cfg = cfg
+        self.index = index
+        self.timeout_s = timeout_s
+        self.engine = build_engine(cfg)
+        self._variants: dict = {}  # other KV configs (evaluation), sharing self.engine's model
+        self._sync_group = None
+        self._sync_backend = "gloo"
+
+    def ready(self) -> int:
+        return self.index
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, index_offset: int,
+                 kv=None) -> list[GenerationOutput]:
+        engine = self._engine_for(kv)
+        outputs = generate_at(engine, prompts, params, seed, index_offset)
+        for out in outputs:  # a variant shares the main engine's weights, hence its version
+            out.weight_version = self.engine.weight_version
+        return outputs
+
+    def _engine_for(self, kv):
+        if kv is None or kv == self.engine.kv:
+            return self.engine
+        if kv not in self._variants:
+            from slime_sparse.components import build_engine
+
+            self._variants[kv] = build_engine(self.cfg, kv=kv, model=self.engine.model)
+        return self._variants[kv]
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
+        """Load a full state dict as `version` (must be newer than the one held); returns the version held."""
+        if version <= self.engine.weight_version:
+            raise ValueError(f"engine {self.index}: weight version {version} is not newer than the loaded "
+                             f"{self.engine.weight_version}")
+        self.engine.update_weights(state_dict, version=version)
+        return self.engine.weight_version
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.engine.model.state_dict().items()}
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()
+
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str, prefix: str) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        store = dist.TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        self._sync_group = new_group(store, rank, world_size, backend, self.timeout_s, prefix=prefix)
+        self._sync_backend = backend
+
+    def receive_weights(self, plan: list[Bucket], version: int) -> int:
+        if self._sync_group is None:
+            raise RuntimeError(f"engine {self.index}: receive_weights before join_sync_group")
+        weights = receive_weights(self._sync_group, plan, version, self._sync_backend)
+        return self.load_weights(weights, version)
+
+
+def generate_at(engine, prompts: list[list[int]], params: SamplingParams, seed: int,
+                index_offset: int) -> list[GenerationOutput]:
+    """engine.generate for prompts that sit at `index_offset` in the whole call, so that each sample's
+    generator is the one of its global index."""
+    if "index_offset" in inspect.signature(engine.generate).parameters:
+        return engine.generate(prompts, params, seed=seed, index_offset=index_offset)
+    if index_offset == 0:
+        return engine.generate(prompts, params, seed=seed)
+    # Until EmbeddedEngine.generate takes index_offset: its sample i draws from _generator(seed, i),
+    # so shift i for this call only (the instance attribute shadows the class's static method).
+    base = type(engine)._generator
+    engine._generator = lambda s, i: base(s, i + index_offset)
+    try:
+        return engine.generate(prompts, params, seed=seed)
+    finally:
+        del engine._generator
+
+
+class RayRolloutGroup:
+    """RolloutEngine over `cluster.layout.num_engines` engine actors (see the module docstring)."""
+
+    def __init__(self, cfg, cluster: RayCluster, *, timeout_s: float | None = None, max_restarts: int | None = None,
+                 actor_cls: type = EngineWorker) -> None:
+        if cfg.rollout.engine != "embedded":
+            raise ValueError(f"--use-ray supports --rollout-engine embedded only for now, got {cfg.rollout.engine!r}")
+        if cluster.layout.bundles_per_engine != 1:
+            raise ValueError("the embedded engine runs on one device: --rollout-num-gpus-per-engine must be 1, "
+                             f"got {cluster.layout.bundles_per_engine}")
+        self.cfg = with_absolute_paths(cfg)
+        self.cluster = cluster
+        self.kv = cfg.kv
+        self.timeout_s = cluster.timeout_s if timeout_s is None else timeout_s
+        self.max_restarts = cfg.cluster.rollout_max_restarts if max_restarts is None else max_restarts
+        self.mode = resolve_update_mode(cfg.cluster.update_weight_mode, colocate=cluster.layout.colocate,
+                                        use_gpu=cluster.layout.use_gpu)
+        self.backend = "nccl" if cluster.layout.use_gpu else "gloo"
+        self.num_restarts = 0  # over the group's life
+        self._actor_cls = ray.remote(actor_cls)
+        self._version = 0
+        self._pushed_ref = None  # weights pushed by update_weights(), kept for restarted engines
+        self._source = None  # learner group of the last sync_from(), asked again by restarted engines
+        self._source_step = -1  # its optimizer step at that sync: the weights engines must hold
+        self._sync_name: str | None = None  # name of the live weight-sync group
+        self._sync_members: tuple | None = None  # (source actor, *engines) in it
+        self._plan: list[Bucket] | None = None
+        self.engines = [self._spawn(i) for i in range(cluster.layout.num_engines)]
+        try:
+            get_each([e.ready.remote() for e in self.engines], "rollout engines start-up", self.timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        logger.info("rollout group: %d engines, weight sync by %s", len(self.engines), self.mode)
+
+    @property
+    def num_engines(self) -> int:
+        return len(self.engines)
+
+    # ---- RolloutEngine protocol ----------------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
+                 kv=None) -> list[GenerationOutput]:
+        """One output per prompt, in order; `kv` overrides the engines' KV config (evaluation)."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())  # one seed for every shard, like one engine
+        if self.cluster.layout.colocate:
+            self._on_all("resume_memory")
+        outputs: list[GenerationOutput | None] = [None] * len(prompts)
+        tasks = {}  # in-flight ref -> (engine index, shard)
+        for i, shard in enumerate(split_contiguous(len(prompts), self.num_engines)):
+            if shard:
+                tasks[self._submit(i, prompts, shard, params, seed, kv)] = (i, shard)
+        restarts = 0
+        while tasks:
+            ready, _ = ray.wait(list(tasks), num_returns=1, timeout=self.timeout_s)
+            if not ready:
+                late = sorted(i for i, _ in tasks.values())
+                raise TimeoutError(f"rollout: engines {late} produced nothing for {self.timeout_s:.0f} s "
+                                   "(--ray-timeout)")
+            i, shard = tasks.pop(ready[0])
+            try:
+                outputs[shard.start:shard.stop] = get(ready[0], f"rollout shard of engine {i}", self.timeout_s)
+            except RayActorError as exc:
+                restarts += 1
+                if restarts > self.max_restarts:
+                    raise RuntimeError(f"rollout: engine actors died {restarts} times in one generate() call, over "
+                                       f"--rollout-max-restarts={self.max_restarts}") from exc
+                logger.warning("engine %d died mid-rollout (%s): restarting it and re-sending its %d prompts",
+                               i, type(exc).__name__, len(shard))
+                self._restart(i)
+                tasks[self._submit(i, prompts, shard, params, seed, kv)] = (i, shard)
+        if self.cluster.layout.colocate:
+            self._on_all("release_memory")
+        return outputs  # type: ignore[return-value]
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        """Push a state dict held by the driver to every engine (through the object store)."""
+        version = self._next_version(version)
+        ref = ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
+        self._check_versions(get_each([e.load_weights.remote(ref, version) for e in self.engines],
+                                      "update_weights", self.timeout_s), version)
+        self._version, self._pushed_ref, self._source = version, ref, None
+
+    def sync_from(self, learner) -> int:
+        """Bring every engine to the learner group's current weights, learner -> engines directly.
+        Returns the new weight version."""
+        version = self._next_version(None)
+        if self.mode == "tensor":
+            ref = learner.weights_ref()  # rank 0's host copy; each engine fetches it from the object store
+            results = get_each([e.load_weights.remote(ref, version) for e in self.engines], "weight sync (tensor)",
+                               self.timeout_s)
+        else:
+            results = self._broadcast_from(learner.source_actor, version)
+        self._check_versions(results, version)
+        self._version, self._pushed_ref = version, None
+        self._source, self._source_step = learner, learner.step
+        return version
+
+    def release_memory(self) -> None:
+        self._on_all("release_memory")
+
+    def resume_memory(self) -> None:
+        self._on_all("resume_memory")
+
+    def with_kv(self, kv) -> "KVView":
+        """This group's engines under another KV config (e.g. dense evaluation), sharing their weights."""
+        return KVView(self, kv)
+
+    def engine_state_dict(self, index: int) -> dict[str, torch.Tensor]:
+        """Engine `index`'s weights as it holds them (checks, debugging)."""
+        return get(self.engines[index].state_dict.remote(), f"state_dict of engine {index}", self.timeout_s)
+
+    def engine_versions(self) -> list[int]:
+        return get_each([e.weight_version.remote() for e in self.engines], "weight versions", self.timeout_s)
+
+    def close(self) -> None:
+        """Kill the engine actors (and let the sync source forget their group). Idempotent."""
+        if self._sync_members is not None:
+            try:
+                get(self._sync_members[0].drop_sync_group.remote(self._sync_name), "drop weight-sync group", 10.0)
+            except (RayActorError, TimeoutError):
+                pass  # the learner is gone or stuck: nothing left to tidy there
+            self._sync_members = None
+        for e in self.engines:
+            ray.kill(e, no_restart=True)
+        self.engines = []
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _spawn(self, i: int):
+        bundle = self.cluster.layout.engine_bundles()[i][0]
+        return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(self.cfg, i, self.timeout_s)
+
+    def _submit(self, i: int, prompts, shard: range, params, seed: int, kv):
+        return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed, shard.start, kv)
+
+    def _restart(self, i: int) -> None:
+        """Replace engine i by a fresh actor in its bundle holding the current weights."""
+        ray.kill(self.engines[i], no_restart=True)
+        engine = self._spawn(i)
+        get(engine.ready.remote(), f"restart of engine {i}", self.timeout_s)
+        ref = self._current_weights()
+        if ref is not None:
+            loaded = get(engine.load_weights.remote(ref, self._version), f"weights of restarted engine {i}",
+                         self.timeout_s)
+            self._check_versions([loaded], self._version)
+        self.engines[i] = engine  # the sync group's members no longer match: rebuilt at the next sync
+        self.num_restarts += 1
+
+    def _current_weights(self):
+        """Object ref of the weights of version self._version, or None at version 0 (the checkpoint's)."""
+        if self._pushed_ref is not None:
+            return self._pushed_ref
+        if self._source is None:
+            return None
+        if self._source.step != self._source_step:
+            raise RuntimeError("cannot restart an engine: the learner has trained since the last weight sync, so "
+                               f"the weights of version {self._version} are gone")
+        return self._source.weights_ref()
+
+    def _broadcast_from(self, source, version: int) -> list[int]:
+        members = (source, *self.engines)
+        if self._sync_members != members:
+            if self._sync_members is not None and self._sync_members[0] is source:
+                get(source.drop_sync_group.remote(self._sync_name), "drop weight-sync group", self.timeout_s)
+            self._sync_name = self._join_sync_group(source)
+            self._sync_members = members
+            self._plan = get(source.weight_plan.remote(self.cfg.cluster.update_weight_buffer_size), "weight plan",
+                             self.timeout_s)
+        refs = [source.send_weights.remote(self._sync_name, self._plan, version)]
+        refs += [e.receive_weights.remote(self._plan, version) for e in self.engines]
+        return get_each(refs, "weight sync (broadcast)", self.timeout_s)  # [sent, received by each engine]
+
+    def _join_sync_group(self, source) -> str:
+        """Form a new weight-sync group: the source (rank 0) and every engine; returns its name."""
+        name = f"weight-sync-{uuid.uuid4().hex[:12]}"
+        world = 1 + self.num_engines
+        host, port = get(source.open_sync_store.remote(name, world), "weight-sync rendezvous", self.timeout_s)
+        refs = [source.join_sync_group.remote(name, world, self.backend)]
+        refs += [e.join_sync_group.remote(host, port, 1 + i, world, self.backend, name)
+                 for i, e in enumerate(self.engines)]
+        get_each(refs, "weight-sync group", self.timeout_s)
+        return name
+
+    def _next_version(self, version: int | None) -> int:
+        if version is None:
+            return self._version + 1
+        if version <= self._version:
+            raise ValueError(f"weight version {version} is not newer than the engines' {self._version}")
+        return int(version)
+
+    @staticmethod
+    def _check_versions(got: list[int], version: int) -> None:
+        if any(v != version for v in got):
+            raise RuntimeError(f"weight sync: expected every end at version {version}, got {got}")
+
+    def _on_all(self, method: str) -> None:
+        get_each([getattr(e, method).remote() for e in self.engines], method, self.timeout_s)
+
+
+class KVView:
+    """A RayRolloutGroup seen under another KV config; weights and versions are the group's."""
+
+    def __init__(self, group: RayRolloutGroup, kv) -> None:
+        self.group = group
+        self.kv = kv
+
+    @property
+    def weight_version(self) -> int:
+        return self.group.weight_version
+
+    def generate(self, prompts, params, seed=None):
+        return self.group.generate(prompts, params, seed, kv=self.kv)
+
+    def update_weights(self, state_dict, version=None) -> None:
+        self.group.update_weights(state_dict, version)
+
+    def release_memory(self) -> None:
+        self.group.release_memory()
+
+    def resume_memory(self) -> None:
+        self.group.resume_memory()
+
