@@ -15,7 +15,6 @@
 """
 from __future__ import annotations
 
-import inspect
 import logging
 import uuid
 from typing import Mapping
@@ -66,7 +65,7 @@ class EngineWorker:
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, index_offset: int,
                  kv=None) -> list[GenerationOutput]:
         engine = self._engine_for(kv)
-        outputs = generate_at(engine, prompts, params, seed, index_offset)
+        outputs = engine.generate(prompts, params, seed=seed, index_offset=index_offset)
         for out in outputs:  # a variant shares the main engine's weights, hence its version
             out.weight_version = self.engine.weight_version
         return outputs
@@ -114,24 +113,6 @@ class EngineWorker:
             raise RuntimeError(f"engine {self.index}: receive_weights before join_sync_group")
         weights = receive_weights(self._sync_group, plan, version, self._sync_backend)
         return self.load_weights(weights, version)
-
-
-def generate_at(engine, prompts: list[list[int]], params: SamplingParams, seed: int,
-                index_offset: int) -> list[GenerationOutput]:
-    """engine.generate for prompts that sit at `index_offset` in the whole call, so that each sample's
-    generator is the one of its global index."""
-    if "index_offset" in inspect.signature(engine.generate).parameters:
-        return engine.generate(prompts, params, seed=seed, index_offset=index_offset)
-    if index_offset == 0:
-        return engine.generate(prompts, params, seed=seed)
-    # Until EmbeddedEngine.generate takes index_offset: its sample i draws from _generator(seed, i),
-    # so shift i for this call only (the instance attribute shadows the class's static method).
-    base = type(engine)._generator
-    engine._generator = lambda s, i: base(s, i + index_offset)
-    try:
-        return engine.generate(prompts, params, seed=seed)
-    finally:
-        del engine._generator
 
 
 class RayRolloutGroup:

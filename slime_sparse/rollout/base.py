@@ -1,0 +1,42 @@
+"""The contract every rollout engine implements (embedded PyTorch, SGLang servers, a Ray group of either).
+
+The training loop only talks to this protocol: token ids in, `GenerationOutput`s out, weights pushed in.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Protocol, runtime_checkable
+
+import torch
+
+from slime_sparse.rollout.sampling import SamplingParams
+from slime_sparse.types import GenerationOutput
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights now loaded; every GenerationOutput carries the version that produced it."""
+        ...
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+    ) -> list[GenerationOutput]:
+        """One output per prompt, in input order. The same seed and inputs give the same outputs.
+
+        Each output holds the sampler's log-prob of every response token (see rollout.sampling for the
+        convention) and the KV accounting of its sequence.
+        """
+        ...
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load new weights (same names and shapes as the model's state dict) and bump weight_version."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give back accelerator memory between rollouts (may be a no-op)."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Undo release_memory before the next generate (may be a no-op)."""
+        ...

@@ -1,0 +1,85 @@
+"""The attention function our engine registers with transformers' AttentionInterface.
+
+Qwen2/Llama attention computes post-RoPE q/k/v, calls `past_key_values.update(k, v, layer)` (our
+BudgetKVCache returns the held keys/values of the rows being run) and then calls the function registered
+under `config._attn_implementation` with the post-RoPE queries and the 4D mask we passed to the model.
+Ours adds two things to plain attention: it hands the queries to the cache (the observation window the
+compression methods score with) and, for H2O, computes the probabilities explicitly so the cache can
+accumulate each slot's attention mass. Outside an engine forward it is transformers' sdpa attention.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cache import BudgetKVCache
+
+ATTENTION_NAME = "slime_sparse_budget_kv"
+CACHE_KWARG = "budget_kv_cache"  # forward kwarg through which the model hands our cache to this function
+
+
+def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> tuple[Tensor, Tensor]:
+    """Eager GQA attention that also returns its probabilities.
+
+    query [n, Hq, C, d], key/value [n, Hkv, S, d], mask [n, 1, C, S] bool (True = may attend).
+    Returns (output [n, C, Hq, d] in transformers' layout, probs [n, Hkv, group, C, S] float32).
+    Query head h belongs to KV head h // group (transformers' repeat_kv layout).
+    """
+    n, n_q_heads, width, d = query.shape
+    n_kv_heads, span = key.shape[1], key.shape[2]
+    group = n_q_heads // n_kv_heads
+    q = query.reshape(n, n_kv_heads, group * width, d)
+    scores = (q @ key.transpose(-1, -2)).view(n, n_kv_heads, group, width, span) * scaling
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    out = probs.to(value.dtype).view(n, n_kv_heads, group * width, span) @ value
+    return out.view(n, n_q_heads, width, d).transpose(1, 2).contiguous(), probs
+
+
+def budget_kv_attention(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, Tensor | None]:
+    cache: BudgetKVCache | None = kwargs.pop(CACHE_KWARG, None)
+    if cache is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    layer = module.layer_idx
+    cache.record_queries(layer, query)
+    if cache.tracks_mass:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out, probs = grouped_attention(query, key, value, attention_mask, scale)
+        cache.accumulate_mass(layer, probs)
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, budget_kv_attention)
+
+
+@contextmanager
+def budget_attention_installed(model: nn.Module) -> Iterator[None]:
+    """Route the model's attention through `budget_kv_attention` for the duration of the block.
+
+    The previous implementation is restored afterwards, so a model shared with other code (a dense
+    evaluation engine, a reference forward in a test) is left as it was found.
+    """
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,350 @@
+"""EmbeddedEngine: batched, budgeted-KV sampling over a transformers causal LM, in this process.
+
+How a generate() call runs (nano-vllm's scheduler shape, without pages):
+- one BudgetKVCache with max_batch_size rows is allocated for the call; running sequences always occupy
+  rows [0, n_running), so every decode step reads plain views of the cache;
+- continuous batching: whenever a sequence finishes, the last running row moves into its place and the
+  next waiting prompt is admitted at the end, then prefilled (chunked when the cache bound demands it);
+- each step runs the HF model once with explicit position_ids (the logical index of every token, so RoPE
+  is never re-applied to kept keys), a 4D mask over cache slots and our cache as past_key_values;
+- after the step each sequence that hit its trigger is compressed on its own (see `_needs_compression`).
+
+KV bound. Compression on: a row holds at most budget + buffer slots at any time, during prefill too
+(prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a
+budget above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Callable, Mapping
+
+import torch
+from torch import Tensor, nn
+
+from slime_sparse.kv import KVCompressConfig, compress_indices
+from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_next
+from slime_sparse.types import GenerationOutput, KVStats
+
+from .attention import CACHE_KWARG, budget_attention_installed
+from .cache import BudgetKVCache
+from .plan import build_plan
+from .sequence import KVTraceRecord, Sequence
+
+LONG_PROMPT_POLICIES = ("error", "skip")
+
+
+class EmbeddedEngine:
+    """Rollout engine over a Qwen2/Qwen2.5/Llama-style transformers model (any model whose attention goes
+    through transformers' AttentionInterface and `past_key_values.update`, with full attention in every layer).
+
+    model_or_path: a PreTrainedModel, or a local HF directory (loaded with AutoModelForCausalLM).
+    kv: the compression config (method "none" = dense cache).
+    dtype: None keeps the model's dtype (float32 when loading from a path).
+    max_prompt_len: prompts longer than this are rejected / skipped (None: only the model context bounds them).
+    on_long_prompt: "error" raises ValueError, "skip" returns finish_reason "skipped" with no tokens and
+      counts them in `num_skipped_prompts`.
+    kv_trace: optional callback receiving a KVTraceRecord per sequence per forward (tests, debugging).
+    """
+
+    def __init__(
+        self,
+        model_or_path: nn.Module | str | os.PathLike,
+        kv: KVCompressConfig | None = None,
+        *,
+        max_batch_size: int = 64,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        max_prompt_len: int | None = None,
+        on_long_prompt: str = "error",
+        kv_trace: Callable[[KVTraceRecord], None] | None = None,
+    ) -> None:
+        self.kv = kv if kv is not None else KVCompressConfig()
+        self.kv.validate()
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (--rollout-max-batch-size)")
+        if max_prompt_len is not None and max_prompt_len < 1:
+            raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 or None (--rollout-max-prompt-len)")
+        if on_long_prompt not in LONG_PROMPT_POLICIES:
+            raise ValueError(f"on_long_prompt={on_long_prompt!r} is invalid: choose one of {LONG_PROMPT_POLICIES}")
+        self.device = torch.device(device)
+        self.model = _load_model(model_or_path, self.device, dtype)
+        _check_model(self.model)
+        self.max_batch_size = max_batch_size
+        self.max_prompt_len = max_prompt_len
+        self.on_long_prompt = on_long_prompt
+        self.kv_trace = kv_trace
+        self.num_skipped_prompts = 0  # cumulative over calls (on_long_prompt="skip")
+        self.last_kv_cache_bytes = 0  # keys + values allocated by the last generate() call (its peak KV memory)
+        self._weight_version = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, kv: KVCompressConfig | None = None, **kwargs) -> "EmbeddedEngine":
+        return cls(path, kv, **kwargs)
+
+    # ---- RolloutEngine protocol ----
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def update_weights(self, state_dict: Mapping[str, Tensor], version: int | None = None) -> None:
+        """Copy new weights into the model's tensors in place (no rebuild) and bump weight_version.
+
+        Every parameter/buffer of the model must be provided, except aliases of a provided tensor (a tied
+        LM head). Tensors are cast to the model's dtype and device.
+        """
+        own = self.model.state_dict()
+        unexpected = sorted(k for k in state_dict if k not in own)
+        if unexpected:
+            raise ValueError(f"update_weights: unknown weight names {unexpected[:5]} (model has {len(own)} tensors)")
+        provided_storage = {own[k].data_ptr() for k in state_dict}
+        missing = sorted(k for k, t in own.items() if k not in state_dict and t.data_ptr() not in provided_storage)
+        if missing:
+            raise ValueError(f"update_weights: missing weights {missing[:5]} ({len(missing)} in all)")
+        for name, src in state_dict.items():
+            if tuple(src.shape) != tuple(own[name].shape):
+                raise ValueError(
+                    f"update_weights: {name} has shape {tuple(src.shape)}, the model's is {tuple(own[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, src in state_dict.items():
+                own[name].copy_(src)  # state_dict() tensors share storage with the model's parameters
+        self._weight_version = self._weight_version + 1 if version is None else int(version)
+
+    def release_memory(self) -> None:
+        """The KV cache only lives inside generate(); all that is left to give back is allocator cache."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self) -> None:
+        """Nothing to do: generate() allocates its cache itself."""
+
+    # ---- generation ----
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0
+    ) -> list[GenerationOutput]:
+        """`index_offset`: where these prompts sit in a larger call split across engines, so that sample
+        i always draws from the generator of (seed, index_offset + i) whichever engine runs it."""
+        params.validate()
+        outputs: list[GenerationOutput | None] = [None] * len(prompts)
+        accepted = self._check_prompts(prompts, outputs)
+        if accepted:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
+            sequences = [
+                Sequence(index=i, prompt=[int(t) for t in prompts[i]],
+                         generator=None if params.greedy else self._generator(seed, index_offset + i))
+                for i in accepted
+            ]
+            with torch.inference_mode(), budget_attention_installed(self.model):
+                _Run(self, sequences, params).run(outputs)
+        return outputs  # type: ignore[return-value]
+
+    @staticmethod
+    def _generator(seed: int, index: int) -> torch.Generator:
+        # A CPU generator on every device: sampling draws one uniform per token (see sample_next), so the
+        # stream is the same on CPU and GPU and costs one small host-to-device copy per step.
+        return torch.Generator().manual_seed(derive_seed(seed, index))
+
+    def _check_prompts(self, prompts: list[list[int]], outputs: list[GenerationOutput | None]) -> list[int]:
+        """Indices of the prompts to generate for; skipped ones get their output here."""
+        vocab = self.model.config.vocab_size
+        context = self.model.config.max_position_embeddings
+        accepted, too_long = [], []
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= vocab:
+                bad = [int(t) for t in prompt if not 0 <= t < vocab]
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
+            limit = min(context - 1, self.max_prompt_len or context)  # leave room for one response token
+            if len(prompt) > limit:
+                too_long.append(i)
+                if self.on_long_prompt == "error":
+                    raise ValueError(
+                        f"prompt {i} has {len(prompt)} tokens, over the limit of {limit} "
+                        f"(max_prompt_len={self.max_prompt_len}, model context max_position_embeddings={context} "
+                        f"minus one response token); construct the engine with on_long_prompt='skip' to skip it"
+                    )
+                outputs[i] = GenerationOutput(
+                    prompt_ids=list(prompt), response_ids=[], logprobs=[], finish_reason="skipped",
+                    kv=KVStats(), weight_version=self._weight_version,
+                )
+            else:
+                accepted.append(i)
+        self.num_skipped_prompts += len(too_long)
+        return accepted
+
+
+class _Run:
+    """One generate() call: the cache, the queue and the decoding loop."""
+
+    def __init__(self, engine: EmbeddedEngine, sequences: list[Sequence], params: SamplingParams) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.kv = engine.kv
+        self.params = params
+        self.waiting = deque(sequences)
+        self.running: list[Sequence] = []  # running[r] lives in cache row r
+        self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else _eos_ids(self.model))
+        self.context = self.model.config.max_position_embeddings
+        longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, self.context)
+        # Compression on: B + buffer bounds every row. Off (or a budget above any possible length): dense.
+        self.capacity = min(self.kv.budget + self.kv.buffer, longest) if self.kv.enabled else longest
+        self.cache = self._allocate(min(engine.max_batch_size, len(sequences)))
+        engine.last_kv_cache_bytes = self.cache.kv_bytes
+
+    def _allocate(self, rows: int) -> BudgetKVCache:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return BudgetKVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_rows=rows,
+            num_kv_heads=cfg.num_key_value_heads,
+            num_q_heads=cfg.num_attention_heads,
+            head_dim=head_dim,
+            capacity=self.capacity,
+            window=self.kv.window,
+            record_queries=self.kv.enabled,
+            track_mass=self.kv.method == "h2o",
+            device=self.engine.device,
+            dtype=self.model.dtype,
+        )
+
+    def run(self, outputs: list[GenerationOutput | None]) -> None:
+        rows = len(self.cache.fill)
+        while self.waiting or self.running:
+            first_new = len(self.running)
+            while self.waiting and len(self.running) < rows:
+                self.cache.reset_row(len(self.running))
+                self.running.append(self.waiting.popleft())
+            new = self.running[first_new:]
+            # Prefill the admitted prompts chunk by chunk; a row whose prompt is done already decodes along.
+            while any(s.processed < len(s.prompt) for s in new):
+                self._step(first_new, new)
+            self._retire(outputs)
+            if self.running:  # one decode step: every running sequence has exactly one pending token
+                self._step(0, self.running)
+                self._retire(outputs)
+
+    def _step(self, row_start: int, seqs: list[Sequence]) -> None:
+        """Run every sequence's pending tokens (as many as fit in its row) through the model once."""
+        cache = self.cache
+        rows = range(row_start, row_start + len(seqs))
+        chunks = [s.pending(self.capacity - cache.fill[r]) for s, r in zip(seqs, rows)]
+        plan = build_plan(
+            row_start, chunks, [cache.fill[r] for r in rows], [s.processed for s in seqs],
+            [cache.queries_seen[r] for r in rows], self.kv.window, self.engine.device,
+        )
+        cache.begin(plan)
+        logits = self.model(
+            input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=plan.attn_mask,
+            past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache},
+        ).logits[:, -1]
+        cache.commit([len(c) for c in chunks])
+
+        to_sample: list[int] = []  # batch rows whose sequence has run all its tokens: sample the next one
+        for b, (seq, row, chunk) in enumerate(zip(seqs, rows, chunks)):
+            if not chunk:
+                continue
+            seq.processed += len(chunk)
+            seq.kv.peak_kv_tokens = max(seq.kv.peak_kv_tokens, cache.fill[row])
+            if self.engine.kv_trace is not None:
+                positions = list(range(seq.processed - len(chunk), seq.processed))
+                self.engine.kv_trace(KVTraceRecord(seq.index, positions, cache.held_positions(row)))
+            if seq.processed == seq.length:
+                # The logits of this token see `processed` tokens densely and `fill` through our cache.
+                seq.kv.dense_kv_tokens += seq.processed
+                seq.kv.kept_kv_tokens += cache.fill[row]
+                to_sample.append(b)
+        if to_sample:
+            self._sample([seqs[b] for b in to_sample], logits[to_sample])
+
+        for seq, row, chunk in zip(seqs, rows, chunks):
+            if chunk and not seq.finished and self._needs_compression(seq, row, chunk):
+                self._compress(seq, row)
+
+    def _sample(self, seqs: list[Sequence], logits: Tensor) -> None:
+        generators = None if self.params.greedy else [s.generator for s in seqs]
+        tokens, logprobs = sample_next(logits, self.params, generators)
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.append(token, logprob)
+            if token in self.stop_ids:
+                seq.finish_reason = "stop"
+            elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
+                seq.finish_reason = "length"
+
+    def _needs_compression(self, seq: Sequence, row: int, chunk: list[int]) -> bool:
+        """R-KV's schedule for every method: compress to B once the row holds B + buffer slots, i.e. every
+        `buffer` decoded tokens the row cycles back from B + buffer to B. SnapKV also compresses the prompt
+        to B at the end of prefill (its original use)."""
+        if not self.kv.enabled:
+            return False
+        fill = self.cache.fill[row]
+        if fill >= self.kv.budget + self.kv.buffer:
+            return True
+        prompt_done_now = seq.processed - len(chunk) < len(seq.prompt) <= seq.processed
+        return self.kv.method == "snapkv" and prompt_done_now and fill > self.kv.budget
+
+    def _compress(self, seq: Sequence, row: int) -> None:
+        cache = self.cache
+        kept = compress_indices(
+            self.kv, cache.layer_keys(row), cache.window_queries(row), values=cache.layer_values(row),
+            attn_mass=cache.layer_mass(row), budget=self.kv.budget,
+        )
+        cache.compact(row, kept)
+        seq.kv.compressions += 1
+
+    def _retire(self, outputs: list[GenerationOutput | None]) -> None:
+        """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
+        for row in range(len(self.running) - 1, -1, -1):
+            seq = self.running[row]
+            if not seq.finished:
+                continue
+            outputs[seq.index] = seq.output(self.engine.weight_version)
+            last = len(self.running) - 1
+            if row != last:
+                self.cache.move_row(last, row)
+                self.running[row] = self.running[last]
+            self.running.pop()
+
+
+def _eos_ids(model: nn.Module) -> set[int]:
+    """EOS ids from the generation config (what generate() stops on), else from the model config."""
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return set()
+
+
+def _load_model(
+    model_or_path: nn.Module | str | os.PathLike, device: torch.device, dtype: torch.dtype | None
+) -> nn.Module:
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(model_or_path):
+            raise ValueError(f"model path {os.fspath(model_or_path)!r} is not a local directory (--hf-checkpoint)")
+        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype or torch.float32)
+    else:
+        model = model_or_path
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
+    return model.eval()
+
+
+def _check_model(model: nn.Module) -> None:
+    """The engine relies on full attention dispatched through transformers' AttentionInterface."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{type(model).__name__} is not supported: the engine needs a transformers causal LM whose attention "
+            "uses the AttentionInterface (Qwen2/Qwen2.5, Llama, ...)"
+        )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(f"{cfg.model_type}: layer types {other} are not supported (full attention only)")
+    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        if getattr(cfg, name, None) is None:
+            raise ValueError(f"{cfg.model_type}: config has no {name}")

@@ -1,0 +1,129 @@
+"""Sampling parameters and the pure functions that turn next-token logits into tokens and log-probs.
+
+Log-prob convention (what Sparse-RL calls pi_sparse, and what SGLang / slime record): the log-prob of a
+sampled token is ``log_softmax(logits / temperature)[token]``, taken at the sampling temperature but BEFORE
+top-k / top-p truncation; truncation only decides which tokens may be drawn. With temperature 0 (greedy)
+the token is the argmax and its log-prob comes from the untempered ``log_softmax(logits)``. The learner
+recomputes pi_old with the same formula (dense context, same temperature), so the two are comparable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a rollout engine samples; field names follow slime's --rollout-* flags."""
+
+    temperature: float = 1.0  # --rollout-temperature; 0 = greedy
+    top_p: float = 1.0  # --rollout-top-p; 1 = off
+    top_k: int = -1  # --rollout-top-k; -1 (or 0) = off
+    max_new_tokens: int = 1024  # --rollout-max-response-len
+    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids; the model's EOS ids are added unless ignore_eos
+    ignore_eos: bool = False  # --rollout-ignore-eos: do not stop at the model's EOS (explicit stop ids still stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the offending flag."""
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"--rollout-temperature={self.temperature!r} must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--rollout-top-p={self.top_p!r} must lie in (0, 1]")
+        if self.top_k < -1:
+            raise ValueError(f"--rollout-top-k={self.top_k!r} must be -1 (off), 0 (off) or a positive integer")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--rollout-max-response-len={self.max_new_tokens!r} must be >= 1")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ValueError(f"--rollout-stop-token-ids contains invalid ids {bad}: token ids are integers >= 0")
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed` (splitmix64 finaliser).
+
+    Each sample owns a generator seeded this way, so its tokens depend only on (seed, index) and not on
+    the batch size or on which other prompts share its decode steps.
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def apply_top_k(logits: Tensor, top_k: int) -> Tensor:
+    """Set every logit below the k-th largest of its row to -inf (ties with the k-th survive). k <= 0 = off."""
+    if top_k <= 0 or top_k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: Tensor, top_p: float) -> Tensor:
+    """Nucleus filter: keep the smallest set of most likely tokens whose probability reaches top_p.
+
+    A token survives when the mass of the tokens ranked strictly above it is < top_p, so the top token
+    always survives. top_p >= 1 = off.
+    """
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = torch.softmax(sorted_logits, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    drop_sorted = mass_before >= top_p
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sampler_logprobs(logits: Tensor, temperature: float) -> Tensor:
+    """Full log-distribution the sampler records: log_softmax(logits / T) (untempered for T = 0), float32."""
+    logits = logits.float()
+    if temperature > 0.0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, dim=-1)
+
+
+def truncated_logits(logits: Tensor, params: SamplingParams) -> Tensor:
+    """Tempered logits after top-k then top-p (transformers' order); what tokens are drawn from."""
+    scaled = logits.float() / params.temperature
+    return apply_top_p(apply_top_k(scaled, params.top_k), params.top_p)
+
+
+def inverse_cdf_sample(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """Token i of each row such that cdf[i-1] <= u * total < cdf[i] (exact inverse-CDF sampling).
+
+    probs [n, V] (need not be normalised), uniforms [n] in [0, 1). The CDF is accumulated in float64 so
+    that tokens far below float32's resolution of ~1 keep their probability. A token of probability 0
+    is never drawn: the strict inequality puts u * total inside an interval of positive length.
+    """
+    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
+    target = uniforms.to(device=probs.device, dtype=torch.float64)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_next(
+    logits: Tensor, params: SamplingParams, generators: list[torch.Generator] | None
+) -> tuple[Tensor, Tensor]:
+    """Draw one token per row of `logits` [n, V]; return (tokens [n] long, their recorded log-probs [n] float32).
+
+    Greedy (temperature 0) needs no generators; otherwise row i draws one uniform from generators[i] (CPU
+    generators) and samples by inverse CDF: one random number per token, and a row's draw depends only on
+    its own generator, never on the other rows of the batch.
+    """
+    logp = sampler_logprobs(logits, params.temperature)
+    if params.greedy:
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        if generators is None or len(generators) != logits.shape[0]:
+            raise ValueError("sample_next needs one torch.Generator per row when temperature > 0")
+        uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+        probs = torch.softmax(truncated_logits(logits, params), dim=-1)
+        tokens = inverse_cdf_sample(probs, uniforms)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
