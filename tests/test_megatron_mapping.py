@@ -94,9 +94,10 @@ def test_merge_qkv_groups_heads_by_kv_head():
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_sharded_swiglu_mlp_equals_dense(tp):
     spec = ModelSpec.from_hf_config(qwen2_config(intermediate_size=64))
-    gate, up = torch.randn(64, 32), torch.randn(64, 32)
-    down = torch.randn(32, 64)
-    x = torch.randn(5, 32)
+    # float64: the test checks the shard layout, not float32 summation order
+    gate, up = torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64)
+    down = torch.randn(32, 64, dtype=torch.float64)
+    x = torch.randn(5, 32, dtype=torch.float64)
     dense = (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
     rules = wm.rules_by_name(spec)
     fc1 = rules["decoder.layers.0.mlp.linear_fc1.weight"]
@@ -113,10 +114,14 @@ def test_sharded_swiglu_mlp_equals_dense(tp):
 def test_sharded_gqa_attention_equals_dense(tp):
     spec = ModelSpec.from_hf_config(llama_config(attention_bias=True))
     h, g, d, hidden = spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.hidden_size
-    wq, wk, wv = torch.randn(h * d, hidden), torch.randn(g * d, hidden), torch.randn(g * d, hidden)
-    bq, bk, bv = torch.randn(h * d), torch.randn(g * d), torch.randn(g * d)
-    wo = torch.randn(hidden, h * d)
-    x = torch.randn(6, hidden)
+    torch.set_default_dtype(torch.float64)  # the test checks the shard layout, not float32 summation order
+    try:
+        wq, wk, wv = torch.randn(h * d, hidden), torch.randn(g * d, hidden), torch.randn(g * d, hidden)
+        bq, bk, bv = torch.randn(h * d), torch.randn(g * d), torch.randn(g * d)
+        wo = torch.randn(hidden, h * d)
+        x = torch.randn(6, hidden)
+    finally:
+        torch.set_default_dtype(torch.float32)
 
     def attend(q, k, v):  # q [heads, S, d], k/v [heads, S, d] already repeated per query head
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
