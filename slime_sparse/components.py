@@ -139,7 +139,8 @@ class Components:
             self.engine.update_weights(dict(self.learner.named_weights()))
 
     def close(self) -> None:
-        for obj in (self.reward_fn, self.engine, *self._eval_engines.values(), self.ray):
+        # engines before the learner: under Ray they drop their weight-sync group with learner rank 0
+        for obj in (self.reward_fn, self.engine, *self._eval_engines.values(), self.learner, self.ray):
             close = getattr(obj, "close", None)
             if callable(close):
                 close()

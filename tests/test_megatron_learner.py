@@ -2,12 +2,18 @@
 
 Same Sparse-RL loss (sparsity weights, rejected tokens, KL to pi_ref, entropy bonus), so the dense
 recompute, the loss, every gradient (mapped back to HF names), the gradient norm and the weights after
-one AdamW step must agree; save / load must restore model, optimizer and step.
+one AdamW step must agree. The pad token (id 0) appears as an input, so the pad-row gradient rule of HF's
+embedding is exercised. save_checkpoint / load_checkpoint (collective, atomic) must restore model,
+optimizer and step, and the checkpoint's model/ must be the HF export of the weights.
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
+from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
@@ -28,6 +34,7 @@ OPTIM = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.98), warmup_iters=0, clip_
 MAX_TOKENS = 24  # several micro-batches
 TOKENS = [[5, 17, 3, 9, 44, 2, 8, 61, 7], [11, 4, 90, 33, 12], [99, 0, 1, 2, 3, 4, 5], [7, 7, 8, 21, 30, 31]]
 RESPONSE_LENS = [4, 2, 5, 3]
+DATA_STATE = {"epoch": 0, "offset": 12}
 
 
 def make_batch(logp_now: list[torch.Tensor]) -> TrainBatch:
@@ -71,10 +78,15 @@ def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, 
     out["metrics"] = learner.train_step(batch)
     out["grads"] = dict(export_hf_weights(learner.module, learner.spec, grads=True))
     out["weights"] = dict(learner.named_weights())
-    learner.save(ckpt_dir, {"rollout": 7})
+    try:  # rank 0 cannot stage it (NaN is not JSON): every rank must fail, none may wait for the others
+        learner.save_checkpoint(os.path.join(ckpt_dir, "bad"), step=1, data_state={"x": float("nan")})
+    except (ValueError, RuntimeError) as exc:
+        out["bad_save"] = type(exc).__name__
+    path = learner.save_checkpoint(os.path.join(ckpt_dir, "rollout_000007"), step=7, data_state=DATA_STATE,
+                                   extra={"rollout": 7}, keep_last=2)
 
     restored = build()
-    out["extra"] = restored.load(ckpt_dir)
+    out["state"] = restored.load_checkpoint(path)
     out["restored_step"] = restored.step
     out["restored_weights"] = dict(restored.named_weights())
     # The same second step from the original and the restored learner (optimizer moments restored too).
@@ -94,7 +106,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("mcore_learner")
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128)
+                      num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -110,11 +122,11 @@ def setup(tmp_path_factory):
     reference["grads"] = {n: p.grad.clone() for n, p in embedded.model.named_parameters()}
     reference["weights"] = {n: p.detach().clone() for n, p in embedded.model.named_parameters()}
     per_rank = spawn(_learner_worker, 2, hf_dir, batch, str(root / "ckpt"), result_dir=str(root), timeout_s=560)
-    return per_rank, reference
+    return per_rank, reference, root / "ckpt"
 
 
 def test_dense_recompute_matches_embedded(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     for out in per_rank:
         for key in ("logp", "ref_logp"):
             for got, want in zip(out[key], ref[key]):
@@ -122,7 +134,7 @@ def test_dense_recompute_matches_embedded(setup):
 
 
 def test_build_from_run_config(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     for out in per_rank:
         logp, temperature, lr, has_ref = out["built"]
         assert (temperature, lr, has_ref) == (TEMPERATURE, 1e-3, True)
@@ -131,7 +143,7 @@ def test_build_from_run_config(setup):
 
 
 def test_loss_and_metrics_match_embedded(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     want = ref["metrics"]
     for out in per_rank:
         got = out["metrics"]
@@ -142,7 +154,7 @@ def test_loss_and_metrics_match_embedded(setup):
 
 
 def test_gradients_match_embedded(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     grads = ref["grads"]
     for out in per_rank:
         for name, grad in out["grads"].items():
@@ -151,16 +163,39 @@ def test_gradients_match_embedded(setup):
 
 
 def test_adamw_step_matches_embedded(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     for out in per_rank:
         for name, weight in out["weights"].items():
             torch.testing.assert_close(weight, ref["weights"][name], rtol=0, atol=2e-5, msg=name)
 
 
+def test_checkpoint_layout_and_hf_export(setup):
+    per_rank, _, ckpt_dir = setup
+    assert [out["bad_save"] for out in per_rank] == ["ValueError", "RuntimeError"]
+    assert sorted(os.listdir(ckpt_dir)) == ["latest", "rollout_000007"]  # no leftovers of the failed save
+    assert (ckpt_dir / "latest").read_text().strip() == "rollout_000007"
+    path = ckpt_dir / "rollout_000007"
+    assert sorted(os.listdir(path / "optim")) == sorted(os.listdir(path / "rng")) == ["rank00000.pt", "rank00001.pt"]
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert state["step"] == 7 and state["data_state"] == DATA_STATE
+    assert state["extra"]["megatron_layout"] == {"world_size": 2, "tensor_model_parallel_size": 2,
+                                                 "pipeline_model_parallel_size": 1, "optimizer": "torch-adamw"}
+    exported = load_file(str(path / "model" / "model.safetensors"))
+    assert exported.keys() == per_rank[0]["weights"].keys()
+    for name, w in per_rank[0]["weights"].items():  # the HF export is the learner's weights, bit for bit
+        assert torch.equal(exported[name], w), name
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path / "model"))
+    assert torch.equal(hf.state_dict()["model.embed_tokens.weight"], exported["model.embed_tokens.weight"])
+
+
 def test_save_load_restores_model_optimizer_and_step(setup):
-    per_rank, _ = setup
+    per_rank, _, _ = setup
     for out in per_rank:
-        assert out["extra"] == {"rollout": 7} and out["restored_step"] == 1
+        state = out["state"]
+        assert state["step"] == 7 and state["data_state"] == DATA_STATE and state["extra"]["rollout"] == 7
+        assert out["restored_step"] == 1
         for name, w in out["weights"].items():
             assert torch.equal(out["restored_weights"][name], w), name
         loss_a, loss_b = out["second"]
@@ -171,7 +206,7 @@ def test_save_load_restores_model_optimizer_and_step(setup):
 
 
 def test_tp_aware_grad_clipping(setup):
-    per_rank, ref = setup
+    per_rank, ref, _ = setup
     ref_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in ref["grads"].values())).item()
     for out in per_rank:
         # the norm after the *second* step's backward; just check it is the full-model norm of those grads

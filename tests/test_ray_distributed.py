@@ -33,7 +33,7 @@ from slime_sparse.ray.weight_sync import (  # noqa: E402
 )
 from slime_sparse.rollout.sampling import SamplingParams  # noqa: E402
 from slime_sparse.tasks.assets import AssetsConfig, build_assets  # noqa: E402
-from slime_sparse.tasks.running_sum import RunningSumConfig  # noqa: E402
+from slime_sparse.tasks.repeated_add import RepeatedAddConfig  # noqa: E402
 from slime_sparse.tasks.tiny_model import TinyModelConfig  # noqa: E402
 from slime_sparse.utils.checkpoint import latest_checkpoint, load_training_state  # noqa: E402
 
@@ -182,7 +182,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    cfg = AssetsConfig(task=RunningSumConfig(min_numbers=4, max_numbers=6),
+    cfg = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=4),
                        model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                              intermediate_size=64, max_position_embeddings=128),
                        warm_start=None, n_train=16, n_test=4)
@@ -242,8 +242,11 @@ def test_two_learner_ranks_match_one_process(backends, assets):
     for key in ("train/loss", "train/grad_norm", "pg_clipfrac", "kl_loss", "train/lr"):
         assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
     weights = dict(group.named_weights())
+    lr = cfg.train.lr
     for name, t in local.model.state_dict().items():
-        torch.testing.assert_close(weights[name], t, atol=1e-6, rtol=1e-5)
+        # Adam moves every element by ~lr whatever |g|; where g ~ 0 the summation order of the all-reduce
+        # can flip that move, so compare to a small fraction of one step rather than to float epsilon
+        torch.testing.assert_close(weights[name], t, atol=0.05 * lr, rtol=1e-5)
         assert not torch.equal(t, initial[name]), name  # the step moved it: the comparison is not vacuous
     assert group.step == local.step == 1
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 
 from slime_sparse.tasks.assets import AssetsConfig, build_assets  # noqa: E402
-from slime_sparse.tasks.running_sum import RunningSumConfig  # noqa: E402
+from slime_sparse.tasks.repeated_add import RepeatedAddConfig  # noqa: E402
 from slime_sparse.tasks.tiny_model import TinyModelConfig  # noqa: E402
 from slime_sparse.train import main  # noqa: E402
 
@@ -35,7 +35,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    cfg = AssetsConfig(task=RunningSumConfig(min_numbers=4, max_numbers=6),
+    cfg = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=4),
                        model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                              intermediate_size=64, max_position_embeddings=128),
                        warm_start=None, n_train=64, n_test=4)
@@ -46,7 +46,7 @@ def args(assets, run_dir, num_rollout, *extra):
     return [
         "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
         "--eval-prompt-data", str(assets.test_path), "--eval-max-prompts", "2",
-        "--custom-rm-path", "slime_sparse.tasks.running_sum:task_reward", "--rm-num-workers", "0",
+        "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward", "--rm-num-workers", "0",
         "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "4",
         "--rollout-max-response-len", "24", "--kv-method", "rkv", "--kv-budget", "16", "--kv-buffer", "4",
         "--kv-window", "4", "--correction-preset", "mis", "--use-kl-loss", "--kl-loss-coef", "1e-3",

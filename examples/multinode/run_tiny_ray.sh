@@ -18,10 +18,10 @@ NUM_ROLLOUT=${NUM_ROLLOUT:-4}
 ASSET_DIR=$(python - "$ASSETS" <<'PY'
 import sys
 from slime_sparse.tasks.assets import AssetsConfig, build_assets
-from slime_sparse.tasks.running_sum import RunningSumConfig
+from slime_sparse.tasks.repeated_add import RepeatedAddConfig
 from slime_sparse.tasks.tiny_model import TinyModelConfig
 
-cfg = AssetsConfig(task=RunningSumConfig(min_numbers=4, max_numbers=6),
+cfg = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=4),
                    model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                                          intermediate_size=64, max_position_embeddings=128),
                    warm_start=None, n_train=256, n_test=16)
@@ -34,7 +34,7 @@ PY
 slime-sparse-train \
   --hf-checkpoint "$ASSET_DIR/model" --prompt-data "$ASSET_DIR/train.jsonl" \
   --eval-prompt-data "$ASSET_DIR/test.jsonl" --eval-max-prompts 8 \
-  --custom-rm-path slime_sparse.tasks.running_sum:task_reward --rm-num-workers 0 \
+  --custom-rm-path slime_sparse.tasks.repeated_add:task_reward --rm-num-workers 0 \
   --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 8 --rollout-max-response-len 48 \
   --kv-method rkv --kv-budget 24 --kv-buffer 8 --kv-window 4 --correction-preset mis \
   --lr 1e-3 --num-rollout "$NUM_ROLLOUT" --save-interval 1 --run-dir "$RUN_DIR" --no-use-tensorboard \

@@ -1,12 +1,16 @@
-"""RayLearnerGroup: the Learner protocol over N data-parallel learner ranks, each a Ray actor.
+"""RayLearnerGroup: the Learner protocol over N learner ranks, each a Ray actor.
 
-Every rank holds a full replica (an EmbeddedLearner) and joins one torch.distributed group (NCCL on
-GPU, gloo on CPU). The driver splits each optimizer step's batch across the ranks, balanced by token
-count; each rank runs its shard with the step's *global* normalisers (num_seqs / num_tokens), and the
-learner sums the gradients over ranks before clipping and the optimizer step, so the update equals the
+The ranks join one torch.distributed group (NCCL on GPU, gloo on CPU) and hold either
+- a full replica each (`--train-backend embedded`): N data-parallel ranks; or
+- a Megatron rank (`--train-backend megatron`): TP = --tensor-model-parallel-size ranks share one
+  replica, DP = N / TP replicas. The ranks of one tensor-parallel group get the same data shard, and
+  the weight export and checkpoints are collectives every rank of a replica takes part in.
+The driver splits each optimizer step's batch into DP shards, balanced by token count; each rank runs
+its shard with the step's *global* normalisers (num_seqs / num_tokens), and the learner sums the
+gradients over the data-parallel ranks before clipping and the optimizer step, so the update equals the
 single-process update on the whole batch and the replicas stay identical.
 
-Failure policy: a rank that dies ends the run (LearnerFailure). Checkpoints are written atomically by
+Failure policy: a rank that dies ends the run (LearnerFailure). Checkpoints are committed atomically by
 rank 0, so the last one is intact and rerunning the same command resumes from it.
 """
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
 
@@ -69,10 +74,20 @@ def with_global_normalisers(batch: TrainBatch) -> TrainBatch:
     return dataclasses.replace(batch, num_seqs=float(sum(k > 0 for k in kept)), num_tokens=float(sum(kept)))
 
 
-class LearnerWorker:
-    """One data-parallel rank (a Ray actor): an in-process learner joined to the others by torch.distributed.
+@dataclass(frozen=True)
+class RankInfo:
+    """What the driver needs to know about a learner rank once it has started."""
 
-    Rank 0 also writes checkpoints and is the source of weight syncs to the rollout engines.
+    device: str
+    dp_rank: int  # the data shard it trains on (shared by the tensor-parallel ranks of one replica)
+    dp_size: int
+    collective: bool  # weight export and checkpoints need every rank of the replica (Megatron)
+
+
+class LearnerWorker:
+    """One learner rank (a Ray actor): an in-process learner joined to the others by torch.distributed.
+
+    Rank 0 also commits checkpoints and is the source of weight syncs to the rollout engines.
     """
 
     def __init__(self, cfg, rank: int, world_size: int, timeout_s: float) -> None:
@@ -82,6 +97,8 @@ class LearnerWorker:
         self.timeout_s = timeout_s
         self.learner = None
         self._dp_store: dist.TCPStore | None = None
+        # rank 0 with a collective weight export: the other ranks of its replica, asked to join every export
+        self._export_peers: list = []
         # weight-sync groups this rank is the source of, by name (one per rollout group): store, group, backend
         self._sync: dict[str, tuple[dist.TCPStore, dist.ProcessGroup | None, str]] = {}
 
@@ -93,9 +110,10 @@ class LearnerWorker:
                                        timeout=timedelta(seconds=self.timeout_s))
         return host, self._dp_store.port
 
-    def setup(self, host: str, port: int) -> str:
-        """Join the data-parallel group (blocks until every rank has called) and build the learner."""
+    def setup(self, host: str, port: int) -> RankInfo:
+        """Join the learners' process group (blocks until every rank has called) and build the learner."""
         from slime_sparse.backends.embedded.learner import resolve_device
+        from slime_sparse.backends.megatron.learner import MegatronLearner  # megatron-core is imported only if built
         from slime_sparse.components import build_learner
 
         device = resolve_device(self.cfg.train.device)
@@ -107,8 +125,19 @@ class LearnerWorker:
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
         torch.manual_seed(self.cfg.train.seed)  # identical replicas, whatever the model builder draws
-        self.learner = build_learner(self.cfg)
-        return str(device)
+        self.learner = build_learner(self.cfg)  # Megatron: its groups (TP x DP) over this process group
+        if isinstance(self.learner, MegatronLearner):
+            return RankInfo(str(device), self.learner.data_parallel_rank, self.learner.data_parallel_size, True)
+        return RankInfo(str(device), self.rank, self.world_size, False)
+
+    def set_export_peers(self, peers: list) -> None:
+        """Rank 0: the actors that must run each weight export with it (the rest of its replica)."""
+        self._export_peers = list(peers)
+
+    def join_weight_export(self) -> None:
+        """A peer's side of rank 0's collective weight export: iterate it, keep nothing."""
+        for _ in self.learner.named_weights():
+            pass
 
     # ---- Learner protocol (this rank's shard) ---------------------------------------------------------
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], ref: bool) -> list[torch.Tensor]:
@@ -125,9 +154,18 @@ class LearnerWorker:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Host copies of the weights under HF names (goes through the object store)."""
-        return {name: t.detach().cpu() for name, t in self.learner.named_weights()}
+        return {name: t.detach().cpu() for name, t in self._exported_weights().items()}
 
-    # ---- checkpoints (rank 0 writes, every rank reads) -------------------------------------------------
+    def _exported_weights(self) -> dict[str, torch.Tensor]:
+        """The full weights under HF names, on the source rank. A collective export (Megatron: TP shards
+        all-gathered) needs the other ranks of the replica too: they are asked to join it first, and this
+        rank waits for them (bounded) once the export is done."""
+        joined = [peer.join_weight_export.remote() for peer in self._export_peers]
+        weights = dict(self.learner.named_weights())
+        get_each(joined, "weight export on the other ranks of the replica", self.timeout_s)
+        return weights
+
+    # ---- checkpoints (rank 0 commits; every rank writes its part if the learner's save is collective) -----
     def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict, tokenizer: Any,
                         keep_last: int | None) -> str:
         return self.learner.save_checkpoint(path, step=step, data_state=data_state, extra=extra, tokenizer=tokenizer,
@@ -138,7 +176,7 @@ class LearnerWorker:
 
     # ---- weight sync source (rank 0) -----------------------------------------------------------------
     def weight_plan(self, bucket_bytes: int) -> list[Bucket]:
-        layout = [(name, tuple(t.shape), t.dtype) for name, t in self.learner.named_weights()]
+        layout = [(name, tuple(t.shape), t.dtype) for name, t in self._exported_weights().items()]
         return plan_buckets(layout, bucket_bytes)
 
     def open_sync_store(self, name: str, world_size: int) -> tuple[str, int]:
@@ -162,19 +200,30 @@ class LearnerWorker:
         if group is None:
             raise RuntimeError(f"send_weights: no weight-sync group {name!r} (join_sync_group first)")
         with torch.no_grad():
-            return send_weights(group, dict(self.learner.named_weights()), plan, version, backend)
+            return send_weights(group, self._exported_weights(), plan, version, backend)
+
+
+def check_megatron_layout(megatron, world: int) -> None:
+    """The learner ranks must split into whole tensor x pipeline parallel replicas."""
+    tp, pp = megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ValueError(f"--actor-num-nodes x --actor-num-gpus-per-node = {world} learner ranks must be a multiple of "
+                         f"--tensor-model-parallel-size x --pipeline-model-parallel-size = {tp} x {pp}")
 
 
 class RayLearnerGroup:
     """Learner protocol (compute_logprobs, train_step, named_weights, checkpoints) over Ray learner ranks."""
 
     def __init__(self, cfg, cluster: RayCluster, *, timeout_s: float | None = None) -> None:
-        if cfg.train.train_backend != "embedded":
-            raise ValueError(f"--use-ray supports --train-backend embedded only, got {cfg.train.train_backend!r}")
+        world = cluster.layout.learner_ranks
+        if cfg.train.train_backend == "megatron":
+            check_megatron_layout(cfg.megatron, world)
+            if cfg.megatron.load:  # actors may run in another working directory
+                cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(
+                    cfg.megatron, load=os.path.abspath(cfg.megatron.load)))
         self.cfg = cfg = with_absolute_paths(cfg)
         self.cluster = cluster
         self.timeout_s = cluster.timeout_s if timeout_s is None else timeout_s
-        world = cluster.layout.learner_ranks
         actor_cls = ray.remote(LearnerWorker)
         self.workers = [
             actor_cls.options(**cluster.actor_options(bundle)).remote(cfg, rank, world, self.timeout_s)
@@ -182,11 +231,20 @@ class RayLearnerGroup:
         ]
         try:
             host, port = self._call([self.workers[0].open_store.remote()], "learner rendezvous")[0]
-            devices = self._call([w.setup.remote(host, port) for w in self.workers], "learner start-up")
+            self.ranks: list[RankInfo] = self._call([w.setup.remote(host, port) for w in self.workers],
+                                                    "learner start-up")
+            self.dp_size = self.ranks[0].dp_size
+            self.collective = self.ranks[0].collective
+            # one rank per data shard speaks for its replica (its TP peers compute the same values)
+            self._leaders = [next(i for i, r in enumerate(self.ranks) if r.dp_rank == d) for d in range(self.dp_size)]
+            if self.collective:
+                peers = [w for w, r in zip(self.workers[1:], self.ranks[1:]) if r.dp_rank == self.ranks[0].dp_rank]
+                self._call([self.workers[0].set_export_peers.remote(peers)], "weight export peers")
         except BaseException:
             self.close()
             raise
-        logger.info("learner group: %d data-parallel ranks on %s", world, devices)
+        logger.info("learner group: %d ranks (%d data-parallel) on %s", world, self.dp_size,
+                    sorted({r.device for r in self.ranks}))
 
     @property
     def world_size(self) -> int:
@@ -194,29 +252,34 @@ class RayLearnerGroup:
 
     @property
     def source_actor(self):
-        """Rank 0's actor: writes checkpoints and sends weights to the engines."""
+        """Rank 0's actor: commits checkpoints and sends weights to the engines."""
         return self.workers[0]
 
     # ---- Learner protocol ------------------------------------------------------------------------------
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *,
                          ref: bool = False) -> list[torch.Tensor]:
-        """Dense log-probs, each rank computing a token-balanced share; results in input order."""
-        parts = [p for p in balance_by_tokens([len(t) for t in tokens], self.world_size) if p]
-        refs = [w.compute_logprobs.remote([tokens[i] for i in p], [response_lens[i] for i in p], ref)
-                for w, p in zip(self.workers, parts)]
+        """Dense log-probs, each replica computing a token-balanced share; results in input order."""
+        parts = balance_by_tokens([len(t) for t in tokens], self.dp_size)
+        # every rank of a replica runs its share (TP collectives inside); an empty share has nothing to do
+        calls = [(i, parts[r.dp_rank]) for i, r in enumerate(self.ranks) if parts[r.dp_rank]]
+        refs = [self.workers[i].compute_logprobs.remote(
+                    [tokens[j] for j in part], [response_lens[j] for j in part], ref) for i, part in calls]
         out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
-        for part, logps in zip(parts, self._call(refs, "compute_logprobs")):
-            for i, logp in zip(part, logps):
-                out[i] = logp
+        for (i, part), logps in zip(calls, self._call(refs, "compute_logprobs")):
+            if i in self._leaders:
+                for j, logp in zip(part, logps):
+                    out[j] = logp
         return out
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step: shards balanced by tokens, every rank called (an empty shard still joins
-        the gradient all-reduce)."""
+        """One optimizer step: data shards balanced by tokens, every rank called (an empty shard still joins
+        the gradient all-reduce); the ranks of one replica get the same shard."""
         batch = with_global_normalisers(batch)
-        parts = balance_by_tokens([len(t) for t in batch.tokens], self.world_size)
-        refs = [w.train_step.remote(batch.select(p)) for w, p in zip(self.workers, parts)]
-        return merge_rank_metrics(self._call(refs, "train_step"))
+        parts = balance_by_tokens([len(t) for t in batch.tokens], self.dp_size)
+        shards = [ray.put(batch.select(p)) for p in parts]  # stored once, fetched by each rank of the replica
+        refs = [w.train_step.remote(shards[r.dp_rank]) for w, r in zip(self.workers, self.ranks)]
+        per_rank = self._call(refs, "train_step")
+        return merge_rank_metrics([per_rank[i] for i in self._leaders])
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's weights, copied to this process (use weights_ref() to pass them on without that copy)."""
@@ -237,10 +300,13 @@ class RayLearnerGroup:
     # ---- checkpoints -------------------------------------------------------------------------------
     def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict | None = None,
                         tokenizer: Any = None, keep_last: int | None = None) -> str:
-        """Rank 0 writes the checkpoint (utils.checkpoint layout, atomic); replicas are identical."""
-        ref = self.workers[0].save_checkpoint.remote(os.path.abspath(path), step=step, data_state=data_state,
-                                                     extra=extra or {}, tokenizer=tokenizer, keep_last=keep_last)
-        return self._call([ref], "save_checkpoint")[0]
+        """Atomic checkpoint in the utils.checkpoint layout: rank 0 writes it (replicas are identical), or,
+        for a collective learner (Megatron), every rank writes its part and rank 0 commits."""
+        workers = self.workers if self.collective else self.workers[:1]
+        refs = [w.save_checkpoint.remote(os.path.abspath(path), step=step, data_state=data_state, extra=extra or {},
+                                         tokenizer=tokenizer if rank == 0 else None, keep_last=keep_last)
+                for rank, w in enumerate(workers)]
+        return self._call(refs, "save_checkpoint")[0]
 
     def load_checkpoint(self, path: str) -> dict:
         """Every rank restores weights, optimizer and scheduler from `path` (a file system all nodes see)."""

@@ -66,6 +66,29 @@ def save_training_state(
     data_state and extra must be JSON-serialisable (they are stored in trainer_state.json, readable by eye).
     keep_last: keep only the newest `keep_last` checkpoints of the parent directory (None or 0: keep all).
     """
+    with training_checkpoint_dir(path, step=step, data_state=data_state, extra=extra, keep_last=keep_last) as tmp:
+        _write_model(model, tokenizer, os.path.join(tmp, MODEL_DIR))
+        optim_state = {
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        }
+        torch.save(optim_state, os.path.join(tmp, OPTIMIZER_FILE))
+        torch.save(get_rng_state(), os.path.join(tmp, RNG_FILE))
+    return path
+
+
+@contextmanager
+def training_checkpoint_dir(
+    path: str, *, step: int, data_state: dict, extra: dict | None = None, keep_last: int | None = None
+) -> Iterator[str]:
+    """Stage a training checkpoint whose files the caller writes: yields an empty directory to fill.
+
+    On a clean exit it writes trainer_state.json (last: it marks the content complete), moves the directory
+    to `path` in one rename, points `<parent>/latest` at it and prunes to `keep_last`; on an exception it
+    removes the directory. save_training_state is built on it; a multi-rank learner uses it on rank 0 while
+    every rank writes its own shards into the yielded directory (all ranks must be done before the block
+    exits). Arguments are validated (ValueError) before anything is created.
+    """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 0):
@@ -77,13 +100,7 @@ def save_training_state(
         raise ValueError(f"data_state and extra must be JSON-serialisable (finite numbers): {err}") from err
 
     with _atomic_dir(path, clean_all_tmp=True) as tmp:
-        _write_model(model, tokenizer, os.path.join(tmp, MODEL_DIR))
-        optim_state = {
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        }
-        torch.save(optim_state, os.path.join(tmp, OPTIMIZER_FILE))
-        torch.save(get_rng_state(), os.path.join(tmp, RNG_FILE))
+        yield tmp
         _write_text(os.path.join(tmp, STATE_FILE), state_text)  # last: marks the content complete
 
     save_dir = os.path.dirname(os.path.abspath(path))
@@ -91,7 +108,16 @@ def save_training_state(
     if keep_last:
         prune_checkpoints(save_dir, keep_last)
     logger.info("saved checkpoint %s (step %d)", path, step)
-    return path
+
+
+def read_trainer_state(path: str) -> dict:
+    """{"step", "data_state", "extra"} of the complete training checkpoint `path` (ValueError otherwise)."""
+    state = _read_trainer_state(path)
+    if state is None:
+        raise ValueError(f"{path!r} is not a complete training checkpoint (no readable {STATE_FILE})")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {state.get('format_version')!r}, expected {FORMAT_VERSION}")
+    return {"step": state["step"], "data_state": state["data_state"], "extra": state["extra"]}
 
 
 def load_training_state(
@@ -106,12 +132,7 @@ def load_training_state(
 
     Returns {"step": int, "data_state": dict, "extra": dict}. optimizer=None skips the optimizer (evaluation).
     """
-    state = _read_trainer_state(path)
-    if state is None:
-        raise ValueError(f"{path!r} is not a complete training checkpoint (no readable {STATE_FILE})")
-    if state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {state.get('format_version')!r}, expected {FORMAT_VERSION}")
-
+    state = read_trainer_state(path)
     _load_weights(model, os.path.join(path, MODEL_DIR))
     opt_state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
     if optimizer is not None:
@@ -125,7 +146,7 @@ def load_training_state(
     if restore_rng:
         set_rng_state(torch.load(os.path.join(path, RNG_FILE), map_location="cpu", weights_only=True))
     logger.info("loaded checkpoint %s (step %d)", path, state["step"])
-    return {"step": state["step"], "data_state": state["data_state"], "extra": state["extra"]}
+    return state
 
 
 def list_checkpoints(save_dir: str) -> list[tuple[int, str]]:

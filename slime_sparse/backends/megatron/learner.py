@@ -14,9 +14,19 @@ Two execution paths, same math:
   the DP group by hand and clipped with a TP-aware global norm.
 Pipeline parallelism is supported by the model build, checkpoints and weight export, but not yet by the
 learner (ValueError): its log-prob recompute would need the last stage's results broadcast.
+
+Training checkpoints (`save_checkpoint` / `load_checkpoint`, collective) use the layout of
+`slime_sparse.utils.checkpoint`, so `latest_checkpoint`, `list_checkpoints` and pruning work unchanged:
+
+    <save_dir>/<name>/
+        model/               HF export (config, safetensors, tokenizer): the weights, loadable anywhere
+        optim/               optimizer state: CPU one torch file per rank; GPU a distributed checkpoint
+        rng/rank*.pt         each rank's RNG streams, Megatron's tensor-parallel tracker included
+        trainer_state.json   step, data_state, extra (+ learner_step and the saving layout); written last
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -29,11 +39,18 @@ from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right
+from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_state, training_checkpoint_dir
+from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
 from . import checkpoint as ckpt
-from .hf_io import HFWeights, bucketed, export_hf_weights, load_hf_weights
+from .hf_io import HFWeights, bucketed, export_hf_weights, load_hf_weights, save_hf_checkpoint
 from .logprobs import response_logprobs
 from .model_config import ModelSpec, build_gpt_model, read_hf_config
+
+# Inside a training checkpoint (besides utils.checkpoint's model/ and trainer_state.json):
+OPTIM_DIR = "optim"  # optimizer state
+RNG_DIR = "rng"  # one RNG file per rank
+LAYOUT_KEY = "megatron_layout"  # key in trainer_state.json's extra: the layout the per-rank files belong to
 
 
 @dataclass(frozen=True)
@@ -44,7 +61,7 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_te: bool | None = None  # None: Transformer Engine spec iff TE imports on a GPU
-    load: str = ""  # Megatron checkpoint to start from (else the HF checkpoint)
+    load: str = ""  # Megatron checkpoint (a converter's output) to start from, else the HF checkpoint
     vocab_divisible_by: int = 128
     recompute_activations: bool = False
     use_distributed_optimizer: bool = True  # GPU only
@@ -60,7 +77,12 @@ class MegatronConfig:
         if self.vocab_divisible_by < 1:
             raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {self.vocab_divisible_by}")
         if self.load and not os.path.isdir(self.load):
-            raise ValueError(f"--load={self.load!r} is not a directory")
+            raise ValueError(f"--megatron-load={self.load!r} is not a directory")
+        if self.load and os.path.isfile(os.path.join(self.load, STATE_FILE)):
+            raise ValueError(
+                f"--megatron-load={self.load!r} is a training checkpoint, not a Megatron checkpoint: start from its "
+                f"weights with --hf-checkpoint {os.path.join(self.load, MODEL_DIR)}, or resume its run with --save"
+            )
 
 
 @dataclass(frozen=True)
@@ -100,7 +122,7 @@ class MegatronLearner:
     ):
         megatron.validate()
         if hf_dir is None and not megatron.load:
-            raise ValueError("the Megatron learner needs --hf-checkpoint or --load to get its initial weights")
+            raise ValueError("the Megatron learner needs --hf-checkpoint or --megatron-load to get its initial weights")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.hf_config = hf_config
@@ -114,6 +136,7 @@ class MegatronLearner:
         self.params_dtype = params_dtype
         self.on_gpu = torch.cuda.is_available()
         self.step = 0
+        self.owns_process_group = False  # set by build_megatron_learner when it initialised torch.distributed
 
         self.model = self._build_and_load(hf_dir)
         self.ref_model = None
@@ -136,15 +159,25 @@ class MegatronLearner:
             recompute_activations=self.megatron.recompute_activations,
         )
         if self.megatron.load:
-            ckpt.load_model(model, model_dir(self.megatron.load))
+            ckpt.load_model(model, self.megatron.load)
         else:
             load_hf_weights(model, self.spec, HFWeights(hf_dir))
+        mirror_hf_padding_idx(model, self.hf_config.get("pad_token_id"))
         return model
 
     @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel (unwrapped from Megatron's DDP on GPU)."""
         return getattr(self.model, "module", self.model)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which data shard this rank trains on (all TP ranks of one model replica share it)."""
+        return _groups().get_data_parallel_rank()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return _groups().get_data_parallel_world_size()
 
     def _setup_gpu_training(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -258,6 +291,9 @@ class MegatronLearner:
     def _gpu_step(self, micro: list[TrainBatch], num_seqs: float, num_tokens: float, lr: float):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        if not micro:  # Megatron's schedule needs a micro-batch to join the gradient all-reduce
+            raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
+                             "data-parallel size (learner ranks / --tensor-model-parallel-size)")
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         per_mb: list[dict] = []
@@ -293,54 +329,151 @@ class MegatronLearner:
         """`named_weights` grouped into buckets of about `bucket_bytes`, for streaming to rollout engines."""
         yield from bucketed(self.named_weights(), bucket_bytes)
 
-    def save(self, path: str, extra: dict) -> None:
-        """Collective. <path>/model: distributed checkpoint (any layout can load it); <path>/optim: optimizer
-        state (GPU: distributed checkpoint; CPU: one torch file per rank, same layout to resume);
-        <path>/learner.pt: step and `extra`."""
-        ckpt.save_model(self.module, os.path.join(path, "model"), hf_config=self.hf_config, hf_dir=self.hf_dir)
+    # ---- checkpoints -----------------------------------------------------------------------
+    def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict | None = None,
+                        tokenizer: Any = None, keep_last: int | None = None) -> str:
+        """Collective, atomic training checkpoint at `path` (layout in the module docstring).
+
+        Rank 0 stages a tmp directory (utils.checkpoint.training_checkpoint_dir), every rank writes its part
+        into it, and once all are done rank 0 writes trainer_state.json, renames the directory to `path`,
+        updates `latest` and prunes to `keep_last`. A crash before that leaves only a tmp-* directory.
+        """
         rank = dist.get_rank()
-        if self.on_gpu:
+        state_extra = {**(extra or {}), "learner_step": self.step, LAYOUT_KEY: self._layout()}
+        with contextlib.ExitStack() as stack:
+            staged, error = None, None
+            if rank == 0:
+                try:
+                    staged = stack.enter_context(training_checkpoint_dir(
+                        path, step=step, data_state=data_state, extra=state_extra, keep_last=keep_last))
+                except Exception as exc:  # e.g. data_state not JSON: the other ranks must not wait for rank 0
+                    error = exc
+            message = [staged, None if error is None else f"{type(error).__name__}: {error}"]
+            dist.broadcast_object_list(message, src=0)
+            staged, failure = message
+            if error is not None:
+                raise error
+            if failure is not None:
+                raise RuntimeError(f"checkpoint {path}: rank 0 could not stage it ({failure})")
+            self._write_checkpoint_files(staged, tokenizer)
+            dist.barrier()  # every rank's files are written before rank 0 commits (leaving this block)
+        dist.barrier()  # the commit is visible to every rank before any returns
+        return path
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Collective: restore weights, optimizer, step and RNG written by `save_checkpoint`.
+
+        Returns {"step", "data_state", "extra"}. The saving layout (world size, TP, PP) must be this one:
+        optimizer and RNG states are per rank. To continue at another layout, start a new run from the
+        checkpoint's model/ directory (--hf-checkpoint), which carries the weights but not the moments.
+        """
+        state = read_trainer_state(path)
+        saved = state["extra"].get(LAYOUT_KEY)
+        if saved is None:
+            raise ValueError(f"{path}: not written by the Megatron learner (no {LAYOUT_KEY!r} in its {STATE_FILE}); "
+                             f"start from its weights with --hf-checkpoint {os.path.join(path, MODEL_DIR)}")
+        if saved != self._layout():
+            raise ValueError(f"{path} was saved with layout {saved}, this run has {self._layout()}: resume with the "
+                             "same world size and --tensor-model-parallel-size (or start from its model/ directory)")
+        # The HF export reshards through the same mapping as the initial load: each rank reads its slices.
+        load_hf_weights(self.module, self.spec, HFWeights(os.path.join(path, MODEL_DIR)))
+        self._load_optimizer(os.path.join(path, OPTIM_DIR))
+        rng = torch.load(self._rank_file(os.path.join(path, RNG_DIR)), map_location="cpu", weights_only=True)
+        set_rng_state(rng["host"])
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(rng["tensor_parallel"])
+        self.step = int(state["extra"]["learner_step"])
+        return state
+
+    def _layout(self) -> dict:
+        """What the per-rank files of a checkpoint depend on."""
+        ps = _groups()
+        return {
+            "world_size": dist.get_world_size(),
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "optimizer": "megatron" if self.on_gpu else "torch-adamw",
+        }
+
+    @staticmethod
+    def _rank_file(directory: str) -> str:
+        return os.path.join(directory, f"rank{dist.get_rank():05d}.pt")
+
+    def _write_checkpoint_files(self, directory: str, tokenizer: Any) -> None:
+        """Collective: fill a staged checkpoint directory (HF export by rank 0, per-rank optimizer and RNG)."""
+        rank = dist.get_rank()
+        if rank == 0:
+            os.makedirs(os.path.join(directory, OPTIM_DIR))
+            os.makedirs(os.path.join(directory, RNG_DIR))
+        dist.barrier()  # the directories exist before any rank writes into them
+        weights = self.named_weights()  # collective (TP all-gather): every rank iterates, rank 0 writes
+        if rank == 0:
+            model_dir = os.path.join(directory, MODEL_DIR)
+            save_hf_checkpoint(weights, model_dir, self.hf_config)
+            side_files = self.hf_dir or os.path.join(self.megatron.load, ckpt.HF_EXTRA_DIR)
+            if os.path.isdir(side_files):  # generation config, tokenizer files
+                ckpt.copy_hf_side_files(side_files, model_dir)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(model_dir)
+        else:
+            for _ in weights:
+                pass
+        self._save_optimizer(os.path.join(directory, OPTIM_DIR))
+        from megatron.core import tensor_parallel
+
+        rng = {"host": get_rng_state(), "tensor_parallel": tensor_parallel.get_cuda_rng_tracker().get_states()}
+        torch.save(rng, self._rank_file(os.path.join(directory, RNG_DIR)))
+
+    def _save_optimizer(self, directory: str) -> None:
+        if self.on_gpu:  # Megatron's (distributed) optimizer: a collective distributed checkpoint
             from megatron.core import dist_checkpointing
 
-            optim_dir = os.path.join(path, "optim")
-            if rank == 0:
-                os.makedirs(optim_dir, exist_ok=True)
-            dist.barrier()
-            dist_checkpointing.save(self.optimizer.sharded_state_dict(self.module.sharded_state_dict()), optim_dir)
+            dist_checkpointing.save(self.optimizer.sharded_state_dict(self.module.sharded_state_dict()), directory)
         else:
-            os.makedirs(os.path.join(path, "optim"), exist_ok=True)
-            torch.save(self.optimizer.state_dict(), os.path.join(path, "optim", f"rank{rank:05d}.pt"))
-        if rank == 0:
-            torch.save({"step": self.step, "extra": extra, "world_size": dist.get_world_size()}, os.path.join(path, "learner.pt"))
-        dist.barrier()
+            torch.save(self.optimizer.state_dict(), self._rank_file(directory))
 
-    def load(self, path: str) -> dict:
-        """Collective: restore model, optimizer and step saved by `save`; returns the saved `extra`."""
-        if not _is_learner_ckpt(path):
-            raise ValueError(f"{path!r} is not a Megatron learner checkpoint (no learner.pt)")
-        state = torch.load(os.path.join(path, "learner.pt"), weights_only=False)
-        ckpt.load_model(self.module, os.path.join(path, "model"))
+    def _load_optimizer(self, directory: str) -> None:
         if self.on_gpu:
             from megatron.core import dist_checkpointing
 
             sharded = self.optimizer.sharded_state_dict(self.module.sharded_state_dict(), is_loading=True)
-            self.optimizer.load_state_dict(dist_checkpointing.load(sharded, os.path.join(path, "optim")))
+            self.optimizer.load_state_dict(dist_checkpointing.load(sharded, directory))
         else:
-            if state["world_size"] != dist.get_world_size():
-                raise ValueError(f"CPU optimizer state was saved by {state['world_size']} ranks; resume with the same layout")
-            rank_file = os.path.join(path, "optim", f"rank{dist.get_rank():05d}.pt")
-            self.optimizer.load_state_dict(torch.load(rank_file, weights_only=False))
-        self.step = int(state["step"])
-        return state["extra"]
+            state = torch.load(self._rank_file(directory), map_location="cpu", weights_only=True)
+            self.optimizer.load_state_dict(state)
+
+    def close(self) -> None:
+        """Destroy the process groups if `build_megatron_learner` created them (a single-process run), so a
+        later learner in this process starts afresh. Idempotent; groups made by a launcher are left alone."""
+        if self.owns_process_group:
+            from .parallel import destroy_parallel
+
+            destroy_parallel()
+            self.owns_process_group = False
 
 
-def _is_learner_ckpt(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "learner.pt"))
 
+def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> None:
+    """Give the pad token's embedding row no gradient from its use as an *input*, as HF does.
 
-def model_dir(path: str) -> str:
-    """The model checkpoint inside a learner checkpoint, or `path` itself (a converter's output)."""
-    return os.path.join(path, "model") if _is_learner_ckpt(path) else path
+    HF's Qwen2 / Llama embed with `nn.Embedding(padding_idx=pad_token_id)`, so a pad token fed to the
+    model (e.g. one the policy sampled) sends no gradient to its row; as an output class it still does,
+    through a tied LM head. Megatron's embedding has no such rule. Detaching the embedding output at pad
+    positions reproduces it, so both learners optimise the same function. Most released checkpoints set
+    no pad_token_id, and then nothing changes.
+    """
+    embedding = getattr(model, "embedding", None)  # only the first pipeline stage embeds
+    if pad_token_id is None or embedding is None:
+        return
+
+    def detach_pad_positions(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        is_pad = args[0] == pad_token_id  # [b, s]
+        if module.reduce_scatter_embeddings:  # sequence parallel: this rank holds [s / tp, b, h]
+            is_pad = is_pad.t().chunk(module.tp_group.size(), dim=0)[module.tp_group.rank()]
+        return torch.where(is_pad[..., None], output.detach(), output)
+
+    embedding.word_embeddings.register_forward_hook(detach_pad_positions)
 
 
 def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -369,23 +502,25 @@ def build_megatron_learner(cfg: Any, megatron: MegatronConfig | None = None) -> 
     """Build the learner from a `RunConfig` (train / loss / sampling sections); `megatron` defaults to
     `cfg.megatron` when the run config has that section, else MegatronConfig(). Initialises the process
     groups if the caller has not (single process: world size 1 over gloo / NCCL)."""
-    from .parallel import ParallelConfig, free_port, init_parallel
+    from .parallel import ParallelConfig, init_parallel
 
     megatron = megatron or getattr(cfg, "megatron", None) or MegatronConfig()
     t = cfg.train
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.setdefault("RANK", "0")
-        os.environ.setdefault("WORLD_SIZE", "1")
+    owns_process_group = not dist.is_initialized()
+    if owns_process_group and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # a world of one needs no rendezvous: no port, no environment (torchrun-style launches set WORLD_SIZE)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     init_parallel(ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=t.seed)
     hf_dir = t.hf_checkpoint or None
-    hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(model_dir(megatron.load))["hf_config"]
+    hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
     temperature = cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
-    return MegatronLearner(
+    learner = MegatronLearner(
         hf_config, cfg.loss, hf_dir=hf_dir, megatron=megatron,
         optim=OptimConfig(lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
                           warmup_iters=t.lr_warmup_iters, clip_grad=t.clip_grad),
         max_tokens=t.max_tokens_per_gpu, temperature=temperature, need_ref=cfg.loss.use_kl_loss,
         params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
     )
+    learner.owns_process_group = owns_process_group
+    return learner

@@ -62,6 +62,10 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0, seed: i
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         )
+    else:  # a second learner in this process must not silently run under another layout
+        have = ParallelConfig(ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != parallel:
+            raise ValueError(f"Megatron's groups are already initialised with {have}, asked for {parallel}")
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 

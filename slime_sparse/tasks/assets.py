@@ -1,0 +1,163 @@
+"""Build (or reuse) everything the default embedded run needs: data, tokenizer, tiny model, warm start.
+
+Assets live in `<cache_dir>/repeated_add-<hash>/`, where the hash covers every generation parameter,
+so a rerun with the same parameters is a cache hit and any change builds a fresh directory:
+
+    tokenizer/         HF tokenizer directory (char level)
+    init_model/        randomly initialised tiny Qwen2 (safetensors + tokenizer), the "no warm start" baseline
+    model/             the warm-started model (or a copy of init_model when the warm start is disabled)
+    train.jsonl        {"prompt", "label", "response"} per line ("response" = reference scratchpad)
+    test.jsonl         disjoint from train
+    assets.json        the parameters and the warm-start metrics
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from slime_sparse.tasks.repeated_add import RepeatedAddConfig, generate_dataset, read_jsonl, write_jsonl
+from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
+from slime_sparse.tasks.tokenizer import DEFAULT_CHARSET, build_char_tokenizer, save_tokenizer
+from slime_sparse.tasks.warm_start import WarmStartConfig, warm_start
+
+ASSETS_FORMAT_VERSION = 1  # bump when the layout or the generation code changes meaning
+
+
+@dataclass(frozen=True)
+class AssetsConfig:
+    task: RepeatedAddConfig = field(default_factory=RepeatedAddConfig)
+    model: TinyModelConfig = field(default_factory=TinyModelConfig)
+    warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)  # None: no warm start
+    n_train: int = 3000  # the default ranges allow 3600 distinct problems
+    n_test: int = 256
+    seed: int = 0  # data, initial weights; the warm start has its own seed in its config
+    charset: str = DEFAULT_CHARSET
+
+    def validate(self) -> None:
+        self.task.validate()
+        self.model.validate()
+        if self.warm_start is not None:
+            self.warm_start.validate()
+        if self.n_train < 1:
+            raise ValueError(f"n_train={self.n_train} must be >= 1")
+        if self.n_test < 1:
+            raise ValueError(f"n_test={self.n_test} must be >= 1")
+
+    def key(self) -> str:
+        """Short stable hash of every parameter (and the format version)."""
+        payload = json.dumps({"version": ASSETS_FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class AssetPaths:
+    root: Path
+    tokenizer_dir: Path
+    init_model_dir: Path
+    model_dir: Path
+    train_path: Path
+    test_path: Path
+    metadata_path: Path
+    cache_hit: bool
+
+    @classmethod
+    def under(cls, root: Path, cache_hit: bool) -> AssetPaths:
+        return cls(
+            root=root,
+            tokenizer_dir=root / "tokenizer",
+            init_model_dir=root / "init_model",
+            model_dir=root / "model",
+            train_path=root / "train.jsonl",
+            test_path=root / "test.jsonl",
+            metadata_path=root / "assets.json",
+            cache_hit=cache_hit,
+        )
+
+    def metadata(self) -> dict:
+        return json.loads(self.metadata_path.read_text())
+
+
+def build_assets(
+    cache_dir: str | Path,
+    config: AssetsConfig = AssetsConfig(),
+    log: Callable[[str], None] | None = print,
+) -> AssetPaths:
+    """Return the asset paths for `config`, building them first unless they are already cached.
+
+    The directory is built under a temporary name and renamed into place when complete, so an
+    interrupted build never looks like a cache hit and concurrent builders do not clash.
+    """
+    config.validate()
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"repeated_add-{config.key()}"
+    if (final / "assets.json").is_file():
+        if log is not None:
+            log(f"assets: cache hit {final}")
+        return AssetPaths.under(final, cache_hit=True)
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        metadata = _build_into(staging, config, log)
+        (staging / "assets.json").write_text(json.dumps(metadata, indent=2))
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / "assets.json").is_file():  # not a concurrent builder's finished copy
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+            return AssetPaths.under(final, cache_hit=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    if log is not None:
+        log(f"assets: built {final}")
+    return AssetPaths.under(final, cache_hit=False)
+
+
+def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | None) -> dict:
+    paths = AssetPaths.under(root, cache_hit=False)
+    train = generate_dataset(config.n_train, seed=config.seed, config=config.task)
+    test = generate_dataset(
+        config.n_test, seed=config.seed + 1, config=config.task, exclude_prompts=(r["prompt"] for r in train)
+    )
+    write_jsonl(paths.train_path, train)
+    write_jsonl(paths.test_path, test)
+
+    tokenizer = build_char_tokenizer(config.charset)
+    save_tokenizer(tokenizer, paths.tokenizer_dir)
+    model = build_tiny_model(tokenizer, config.model, seed=config.seed)
+    _save_model(model, tokenizer, paths.init_model_dir)
+
+    warm_metrics = None
+    if config.warm_start is not None:
+        metrics = warm_start(model, tokenizer, train, config.warm_start, log=log)
+        warm_metrics = {k: v for k, v in asdict(metrics).items() if k != "losses"}
+        warm_metrics["loss_curve"] = metrics.losses[:: max(1, len(metrics.losses) // 50)]
+    _save_model(model, tokenizer, paths.model_dir)
+    return {
+        "key": config.key(),
+        "config": asdict(config),
+        "num_parameters": count_parameters(model),
+        "warm_start": warm_metrics,
+    }
+
+
+def _save_model(model: torch.nn.Module, tokenizer, path: Path) -> None:
+    """HF directory (config + safetensors) with the tokenizer alongside, loadable by from_pretrained."""
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+
+
+def load_rows(paths: AssetPaths, split: str) -> list[dict]:
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r} must be 'train' or 'test'")
+    return read_jsonl(paths.train_path if split == "train" else paths.test_path)

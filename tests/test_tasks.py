@@ -1,0 +1,416 @@
+"""Tests of the embedded default task: generator, reward, tokenizer, tiny model, assets, warm start."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen2ForCausalLM
+
+from slime_sparse.tasks.assets import AssetsConfig, build_assets, load_rows
+from slime_sparse.tasks.evaluate import evaluate, generate, sink_window_mask
+from slime_sparse.tasks.repeated_add import (
+    RepeatedAddConfig,
+    generate_dataset,
+    make_prompt,
+    make_response,
+    parse_answer,
+    parse_prompt,
+    read_jsonl,
+    task_reward,
+    write_jsonl,
+)
+from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
+from slime_sparse.tasks.tokenizer import (
+    BOS_TOKEN,
+    DEFAULT_CHARSET,
+    EOS_TOKEN,
+    build_char_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+from slime_sparse.tasks.warm_start import (
+    IGNORE_INDEX,
+    WarmStartConfig,
+    collate,
+    lr_at,
+    response_loss,
+    warm_start,
+)
+
+MICRO_MODEL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+# ---------------------------------------------------------------- generator
+
+
+def _check_scratchpad(prompt: str, response: str, label: str) -> None:
+    """Re-derive every scratchpad step from the prompt, independently of the generator."""
+    start, step, count = map(int, re.fullmatch(r"(\d+)\+(\d+)\*(\d+)=", prompt).groups())
+    body, answer = response.split("#")
+    steps = body.split(";")
+    assert len(steps) == count
+    total = start
+    for i, text in enumerate(steps, 1):
+        k, a, b, c = map(int, re.fullmatch(r"(\d+):(\d+)\+(\d+)=(\d+)", text).groups())
+        assert (k, a, b) == (i, total, step)
+        assert c == a + b
+        total = c
+    assert int(answer) == total == start + step * count == int(label)
+
+
+def test_generated_scratchpads_are_correct():
+    config = RepeatedAddConfig(min_start=0, max_start=150, min_step=1, max_step=12, min_count=1, max_count=6)
+    rows = generate_dataset(400, seed=7, config=config)
+    counts = set()
+    for row in rows:
+        _check_scratchpad(row["prompt"], row["response"], row["label"])
+        start, step, count = parse_prompt(row["prompt"])
+        assert 0 <= start <= 150 and 1 <= step <= 12
+        counts.add(count)
+    assert counts == set(range(1, 7))  # the whole inclusive range is used
+    assert len({r["prompt"] for r in rows}) == len(rows)
+
+
+def test_hand_example():
+    assert make_prompt(42, 7, 4) == "42+7*4="
+    assert make_response(42, 7, 4) == "1:42+7=49;2:49+7=56;3:56+7=63;4:63+7=70#70"
+    assert parse_prompt("42+7*4=") == (42, 7, 4)
+    with pytest.raises(ValueError, match="prompt"):
+        parse_prompt("42+7=")
+
+
+def test_default_task_is_long_relative_to_a_small_kv_budget():
+    rows = generate_dataset(500, seed=0)
+    response_tokens = [len(r["response"]) + 1 for r in rows]  # char-level, + EOS
+    prompt_tokens = [len(r["prompt"]) + 1 for r in rows]  # + <s>
+    assert min(response_tokens) >= 70 and sum(response_tokens) / len(rows) >= 90
+    assert max(prompt_tokens) <= 10  # the prompt alone fits any budget
+
+
+def test_generation_is_seeded_and_splits_are_disjoint():
+    a = generate_dataset(50, seed=1)
+    assert a == generate_dataset(50, seed=1)
+    assert a != generate_dataset(50, seed=2)
+    test = generate_dataset(50, seed=2, exclude_prompts=[r["prompt"] for r in a])
+    assert not {r["prompt"] for r in a} & {r["prompt"] for r in test}
+
+
+def test_generator_capacity_and_bad_configs():
+    tiny = RepeatedAddConfig(min_start=1, max_start=2, min_step=3, max_step=3, min_count=1, max_count=2)
+    assert tiny.num_problems == 4
+    everything = generate_dataset(4, seed=0, config=tiny)  # drawing the whole space terminates
+    assert {r["prompt"] for r in everything} == {"1+3*1=", "1+3*2=", "2+3*1=", "2+3*2="}
+    with pytest.raises(ValueError, match="only 1 are left"):  # 3 of the 4 excluded (+1 foreign prompt)
+        generate_dataset(2, 0, tiny, exclude_prompts=["1+3*1=", "1+3*2=", "2+3*1=", "9+9*9="])
+    with pytest.raises(ValueError, match="max_start"):
+        generate_dataset(1, 0, RepeatedAddConfig(min_start=5, max_start=4))
+    with pytest.raises(ValueError, match="min_count"):
+        generate_dataset(1, 0, RepeatedAddConfig(min_count=0))
+    with pytest.raises(ValueError, match="n=-1"):
+        generate_dataset(-1, 0)
+
+
+def test_jsonl_round_trip(tmp_path):
+    rows = generate_dataset(5, seed=3)
+    path = write_jsonl(tmp_path / "d" / "x.jsonl", rows)
+    assert read_jsonl(path) == rows
+    assert all(set(json.loads(line)) == {"prompt", "label", "response"} for line in path.read_text().splitlines())
+
+
+# ---------------------------------------------------------------- reward
+
+
+@pytest.mark.parametrize(
+    "response, label, finish_reason, expected",
+    [
+        ("1:3+5=8;2:8+5=13#13", "13", "stop", 1.0),
+        ("1:3+5=8;2:8+5=13#13", 13, "stop", 1.0),  # int label
+        ("1:3+5=8;2:8+5=13#13</s>", "13", "stop", 1.0),  # decoded with special tokens
+        ("1:3+5=8;2:8+5=14#14", "13", "stop", 0.0),  # wrong answer
+        ("1:3+5=9;2:9+5=14#13", "13", "stop", 1.0),  # only the final answer is verified
+        ("1:3+5=8;2:8+5=13#13", "13", "length", 0.0),  # truncated, even though the text looks right
+        ("1:3+5=8;2:8+5=13#1", "13", "length", 0.0),  # truncated mid-answer
+        ("1:3+5=8;2:8+5=13", "13", "stop", 0.0),  # no answer mark
+        ("1:3+5=8#8;2:8+5=13#13", "13", "stop", 0.0),  # two answer marks
+        ("1:3+5=8;2:8+5=13#13;", "13", "stop", 0.0),  # junk after the answer
+        ("#", "10", "stop", 0.0),
+        ("", "10", "stop", 0.0),
+    ],
+)
+def test_task_reward(response, label, finish_reason, expected):
+    assert task_reward(response, label, finish_reason=finish_reason) == expected
+
+
+def test_parse_answer():
+    assert parse_answer("1+2=3#3") == 3
+    assert parse_answer(" 1+2=3#3 \n") == 3
+    assert parse_answer("1+2=3#x") is None
+    assert parse_answer("1+2=3") is None
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_is_character_level(tokenizer):
+    text = "42+7*2=1:42+7=49;2:49+7=56#56"
+    ids = tokenizer(text)["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and tokenizer.convert_ids_to_tokens(ids[0]) == BOS_TOKEN
+    assert tokenizer.convert_ids_to_tokens(ids[1:]) == list(text)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer.decode(ids + [tokenizer.eos_token_id]) == BOS_TOKEN + text + EOS_TOKEN
+    assert len(tokenizer) == 4 + len(DEFAULT_CHARSET)
+    assert len({tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}) == 4
+    every = DEFAULT_CHARSET  # spaces and punctuation survive too
+    assert tokenizer.decode(tokenizer(every, add_special_tokens=False)["input_ids"]) == every
+    assert tokenizer("A", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_tokenizer_save_load_round_trip(tokenizer, tmp_path):
+    save_tokenizer(tokenizer, tmp_path / "tok")
+    for loaded in (load_tokenizer(tmp_path / "tok"), AutoTokenizer.from_pretrained(str(tmp_path / "tok"))):
+        for text in ("12345=", "1+2=3;3+4=7#7", "ab c?"):
+            assert loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+        assert (loaded.pad_token_id, loaded.bos_token_id, loaded.eos_token_id) == (
+            tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id,
+        )
+        batch = loaded(["1=", "123="], padding=True)["input_ids"]
+        assert batch[0][:2] == [loaded.pad_token_id] * 2  # left padding for generation
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        load_tokenizer(tmp_path / "missing")
+
+
+def test_tokenizer_rejects_duplicate_charset():
+    with pytest.raises(ValueError, match="duplicate"):
+        build_char_tokenizer("0123=1")
+
+
+# ---------------------------------------------------------------- tiny model
+
+
+def _qwen2_param_count(vocab: int, h: int, layers: int, heads: int, kv_heads: int, mlp: int) -> int:
+    """Qwen2 parameters re-derived by hand: q/k/v have biases, o and the MLP do not, tied LM head."""
+    head_dim = h // heads
+    kv = kv_heads * head_dim
+    attention = (h * h + h) + 2 * (h * kv + kv) + h * h
+    per_layer = attention + 3 * h * mlp + 2 * h  # + input and post-attention RMSNorm weights
+    return vocab * h + layers * per_layer + h  # + final norm
+
+
+def test_tiny_model_default_size_and_config(tokenizer):
+    model = build_tiny_model(tokenizer)
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 128, 4, 2)
+    assert cfg.intermediate_size == 512 and cfg.vocab_size == len(tokenizer)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
+        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+    )
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    expected = _qwen2_param_count(len(tokenizer), 128, 4, 4, 2, 512)
+    assert count_parameters(model) == expected
+    assert 0.9e6 < expected < 1.1e6
+
+
+def test_tiny_model_is_seeded(tokenizer):
+    a = build_tiny_model(tokenizer, MICRO_MODEL, seed=1)
+    b = build_tiny_model(tokenizer, MICRO_MODEL, seed=1)
+    c = build_tiny_model(tokenizer, MICRO_MODEL, seed=2)
+    assert count_parameters(a) == _qwen2_param_count(len(tokenizer), 32, 2, 4, 2, 64)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(a.parameters(), c.parameters()))
+
+
+def test_tiny_model_rejects_bad_config(tokenizer):
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        build_tiny_model(tokenizer, TinyModelConfig(num_heads=4, num_kv_heads=3))
+    with pytest.raises(ValueError, match="hidden_size"):
+        build_tiny_model(tokenizer, TinyModelConfig(hidden_size=130, num_heads=4))
+
+
+# ---------------------------------------------------------------- warm start
+
+
+def test_collate_labels_only_the_response(tokenizer):
+    rows = [{"prompt": "1+2*1=", "response": "1:1+2=3#3"}, {"prompt": "34+5*2=", "response": "1:34+5=39;2:39+5=44#44"}]
+    batch = collate(tokenizer, rows)
+    for i, row in enumerate(rows):
+        ids = batch["input_ids"][i][batch["attention_mask"][i].bool()].tolist()
+        assert tokenizer.decode(ids) == BOS_TOKEN + row["prompt"] + row["response"] + EOS_TOKEN
+        labelled = batch["labels"][i][batch["labels"][i] != IGNORE_INDEX].tolist()
+        assert tokenizer.decode(labelled) == row["response"] + EOS_TOKEN
+        # Labels sit exactly on the response positions (same index as input_ids; the loss shifts).
+        start = 1 + len(row["prompt"])
+        assert batch["labels"][i][:start].eq(IGNORE_INDEX).all()
+        assert batch["labels"][i][start : start + len(labelled)].tolist() == ids[start:]
+    with pytest.raises(ValueError, match="response"):
+        collate(tokenizer, [{"prompt": "1+2*1="}])
+
+
+def test_lr_schedule():
+    cfg = WarmStartConfig(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1)
+    assert lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(60, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
+    assert lr_at(110, cfg) == pytest.approx(0.1)
+
+
+def test_warm_start_lowers_loss_and_is_deterministic(tokenizer):
+    rows = generate_dataset(16, seed=5, config=RepeatedAddConfig(min_count=1, max_count=3))
+    batch = collate(tokenizer, rows)
+    cfg = WarmStartConfig(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, seed=3, log_every=1000)
+    finals = []
+    for _ in range(2):
+        model = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)
+        with torch.no_grad():
+            before = response_loss(model, batch).item()
+        metrics = warm_start(model, tokenizer, rows, cfg, log=None)
+        with torch.no_grad():
+            after = response_loss(model, batch).item()
+        assert metrics.steps == 30 and not metrics.stopped_by_time
+        assert after < 0.75 * before
+        assert metrics.final_loss < metrics.first_loss
+        finals.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(p, q) for p, q in zip(*finals))
+
+
+def test_warm_start_time_budget_and_validation(tokenizer):
+    rows = generate_dataset(4, seed=5, config=RepeatedAddConfig(min_count=1, max_count=2))
+    model = build_tiny_model(tokenizer, MICRO_MODEL)
+    metrics = warm_start(model, tokenizer, rows, WarmStartConfig(steps=1000, batch_size=2, time_budget_s=1e-3), log=None)
+    assert metrics.stopped_by_time and metrics.steps == 1
+    with pytest.raises(ValueError, match="steps"):
+        warm_start(model, tokenizer, rows, WarmStartConfig(steps=0), log=None)
+    with pytest.raises(ValueError, match="empty"):
+        warm_start(model, tokenizer, [], WarmStartConfig(), log=None)
+
+
+# ---------------------------------------------------------------- sampling helper
+
+
+def test_sink_window_mask_by_hand():
+    valid = torch.tensor([[False, False, True, True, True, True, True], [True] * 7])
+    got = sink_window_mask(valid, n_sink=2, window=3)
+    assert got[0].tolist() == [False, False, True, True, True, True, True]  # 5 real tokens: all kept
+    assert got[1].tolist() == [True, True, False, False, True, True, True]
+    assert torch.equal(sink_window_mask(valid, 2, None), valid)
+    per_row = sink_window_mask(valid, torch.tensor([1, 3]), window=2)  # e.g. each row's prompt length
+    assert per_row[0].tolist() == [False, False, True, False, False, True, True]
+    assert per_row[1].tolist() == [True, True, True, False, False, True, True]
+
+
+def test_greedy_generate_matches_hf_generate(tokenizer):
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=4)
+    prompts = ["12+3*4=", "9+8*1=", "123+45*67="]  # different lengths: exercises left padding
+    ours = generate(model, tokenizer, prompts, max_new_tokens=12)
+    for prompt, gen in zip(prompts, ours):
+        ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        ref = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+        assert gen.token_ids == ref[0, ids.size(1) :].tolist()
+
+
+@pytest.mark.parametrize("keep_prompt", [False, True])
+def test_windowed_decode_equals_band_masked_forward(tokenizer, keep_prompt):
+    """Decoding under a sinks (or whole prompt) + window cache must equal one forward pass over the
+    whole sequence with the same static mask: dense over the prompt rows, and every generated
+    position sees the first `n_keep` tokens + the last `window` tokens."""
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=6)
+    prompt, window, n_sink, new = "12+3*45=", 4, 2, 14
+    gen = generate(model, tokenizer, [prompt], new, window=window, n_sink=n_sink, keep_prompt=keep_prompt)[0]
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    seq = prompt_ids + gen.token_ids
+    n, p = len(seq), len(prompt_ids)
+    n_keep = p if keep_prompt else n_sink
+    allowed = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(i + 1):
+            allowed[i, j] = i < p or j < n_keep or j > i - window
+    mask = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([seq]), attention_mask=mask).logits[0]
+        dense = model(input_ids=torch.tensor([seq])).logits[0]
+    assert logits[p - 1 : n - 1].argmax(-1).tolist() == gen.token_ids
+    # The window changes nothing over the prompt and does change what later tokens see.
+    torch.testing.assert_close(logits[:p], dense[:p])
+    assert (logits[-1] - dense[-1]).abs().max() > 1e-3
+
+
+def test_evaluate_scores_with_the_task_reward(tokenizer):
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)
+    rows = generate_dataset(4, seed=0, config=RepeatedAddConfig(min_count=1, max_count=2))
+    result = evaluate(model, tokenizer, rows, max_new_tokens=5)
+    assert result.n == 4 and result.max_response_tokens <= 5
+    # An oracle reward that accepts everything that stopped turns truncation into accuracy 1 - truncated.
+    oracle = evaluate(model, tokenizer, rows, 5, reward_fn=lambda text, label, finish_reason: float(finish_reason == "stop"))
+    assert oracle.accuracy == pytest.approx(1.0 - oracle.truncated)
+
+
+# ---------------------------------------------------------------- assets
+
+
+def _micro_assets(**overrides) -> AssetsConfig:
+    base = dict(
+        task=RepeatedAddConfig(min_count=1, max_count=3),
+        model=MICRO_MODEL,
+        warm_start=WarmStartConfig(steps=2, batch_size=4, log_every=1000),
+        n_train=40,
+        n_test=8,
+    )
+    base.update(overrides)
+    return AssetsConfig(**base)
+
+
+def test_assets_build_then_cache_hit(tmp_path):
+    config = _micro_assets()
+    first = build_assets(tmp_path, config, log=None)
+    assert not first.cache_hit
+    for path in (first.train_path, first.test_path, first.metadata_path, first.tokenizer_dir / "tokenizer.json"):
+        assert path.is_file()
+    for model_dir in (first.init_model_dir, first.model_dir):
+        assert (model_dir / "model.safetensors").is_file() and (model_dir / "config.json").is_file()
+    train, test = load_rows(first, "train"), load_rows(first, "test")
+    assert len(train) == 40 and len(test) == 8
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    meta = first.metadata()
+    assert meta["key"] == config.key() and meta["warm_start"]["steps"] == 2
+
+    # The warm-started model differs from the initial one and reloads with from_pretrained.
+    init = Qwen2ForCausalLM.from_pretrained(str(first.init_model_dir))
+    warm = Qwen2ForCausalLM.from_pretrained(str(first.model_dir))
+    assert not all(torch.equal(p, q) for p, q in zip(init.parameters(), warm.parameters()))
+    assert AutoTokenizer.from_pretrained(str(first.model_dir))("12=")["input_ids"] == [1, 5, 6, 18]
+
+    mtime = first.model_dir.joinpath("model.safetensors").stat().st_mtime_ns
+    second = build_assets(tmp_path, config, log=None)
+    assert second.cache_hit and second.root == first.root
+    assert second.model_dir.joinpath("model.safetensors").stat().st_mtime_ns == mtime  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.root.name]  # no staging leftovers
+
+
+def test_assets_key_depends_on_every_parameter(tmp_path):
+    base = _micro_assets()
+    variants = [
+        _micro_assets(n_train=41),
+        _micro_assets(seed=1),
+        _micro_assets(task=RepeatedAddConfig(min_count=1, max_count=4)),
+        _micro_assets(model=TinyModelConfig(hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2, intermediate_size=64)),
+        _micro_assets(warm_start=WarmStartConfig(steps=3, batch_size=4)),
+        _micro_assets(warm_start=None),
+    ]
+    keys = {base.key()} | {v.key() for v in variants}
+    assert len(keys) == 1 + len(variants)
+    assert base.key() == _micro_assets().key()
+    other = build_assets(tmp_path, _micro_assets(warm_start=None), log=None)
+    assert not other.cache_hit and other.root.name.endswith(_micro_assets(warm_start=None).key())
+    assert other.metadata()["warm_start"] is None
+
+
+def test_assets_reject_bad_config(tmp_path):
+    with pytest.raises(ValueError, match="n_train"):
+        build_assets(tmp_path, _micro_assets(n_train=0), log=None)
+    assert not any(tmp_path.iterdir())
