@@ -35,6 +35,7 @@ from slime_sparse.tasks.warm_start import (
     WarmStartConfig,
     collate,
     lr_at,
+    prompt_window_mask,
     response_loss,
     warm_start,
 )
@@ -207,14 +208,14 @@ def test_tiny_model_default_size_and_config(tokenizer):
     model = build_tiny_model(tokenizer)
     cfg = model.config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 128, 4, 2)
-    assert cfg.intermediate_size == 512 and cfg.vocab_size == len(tokenizer)
+    assert cfg.intermediate_size == 256 and cfg.vocab_size == len(tokenizer)
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
     )
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    expected = _qwen2_param_count(len(tokenizer), 128, 4, 4, 2, 512)
+    expected = _qwen2_param_count(len(tokenizer), 128, 4, 4, 2, 256)
     assert count_parameters(model) == expected
-    assert 0.9e6 < expected < 1.1e6
+    assert 0.55e6 < expected < 0.65e6
 
 
 def test_tiny_model_is_seeded(tokenizer):
@@ -252,12 +253,62 @@ def test_collate_labels_only_the_response(tokenizer):
         collate(tokenizer, [{"prompt": "1+2*1="}])
 
 
+def test_prompt_window_mask_by_hand():
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    mask = prompt_window_mask(attention_mask, prompt_lens=torch.tensor([2, 3]), windows=torch.tensor([2, 0]))
+    visible = (mask[:, 0] == 0).int().tolist()
+    assert visible[0] == [
+        [1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0, 0, 0],  # prompt rows: causal
+        [1, 1, 1, 0, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 1, 1, 0, 0, 0],  # prompt + last 2
+        [1, 1, 0, 0, 1, 1, 0, 0],
+        [1, 1, 0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 0, 0, 0, 1],  # padding sees itself only
+    ]
+    assert visible[1] == torch.tril(torch.ones(8, 8, dtype=torch.int)).tolist()  # window 0 = dense
+
+
+def test_response_loss_under_window_masks(tokenizer):
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=2)
+    rows = generate_dataset(3, seed=4, config=RepeatedAddConfig(min_count=2, max_count=4))
+    batch = collate(tokenizer, rows)
+    assert batch["prompt_lens"].tolist() == [1 + len(r["prompt"]) for r in rows]
+    with torch.no_grad():
+        dense = response_loss(model, batch)
+        zero = response_loss(model, {**batch, "attention_mask": prompt_window_mask(
+            batch["attention_mask"], batch["prompt_lens"], torch.zeros(3, dtype=torch.long))})
+        wide = response_loss(model, {**batch, "attention_mask": prompt_window_mask(
+            batch["attention_mask"], batch["prompt_lens"], torch.full((3,), 1000))})
+        narrow = response_loss(model, {**batch, "attention_mask": prompt_window_mask(
+            batch["attention_mask"], batch["prompt_lens"], torch.full((3,), 4))})
+        # Reference for the narrow window: each row alone, with a loop-built boolean mask.
+        total, count = 0.0, 0
+        for r, p in zip(rows, batch["prompt_lens"].tolist()):
+            ids = tokenizer(r["prompt"])["input_ids"] + tokenizer(r["response"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            n = len(ids)
+            allowed = torch.tensor([[j <= i and (i < p or j < p or j > i - 4) for j in range(n)] for i in range(n)])
+            m = torch.zeros(1, 1, n, n).masked_fill(~allowed, torch.finfo(torch.float32).min)
+            logp = torch.log_softmax(model(input_ids=torch.tensor([ids]), attention_mask=m).logits[0], -1)
+            total -= sum(logp[t - 1, ids[t]].item() for t in range(p, n))
+            count += n - p
+    torch.testing.assert_close(zero, dense)
+    torch.testing.assert_close(wide, dense)
+    assert narrow.item() == pytest.approx(total / count, rel=1e-5)
+    assert abs(narrow.item() - dense.item()) > 1e-4
+
+
 def test_lr_schedule():
     cfg = WarmStartConfig(steps=110, lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
     assert lr_at(0, cfg) == pytest.approx(0.1)
     assert lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(60, cfg) == pytest.approx(0.1 + 0.9 * 0.5)  # half way through the cosine
     assert lr_at(110, cfg) == pytest.approx(0.1)
+    # A time budget that runs out first drives the decay: half the time gone = half way through.
+    assert lr_at(20, cfg, time_fraction=0.5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_at(60, cfg, time_fraction=0.1) == pytest.approx(0.1 + 0.9 * 0.5)  # steps ahead: steps rule
+    assert lr_at(5, cfg, time_fraction=0.9) == pytest.approx(0.6)  # warmup is by steps
 
 
 def test_warm_start_lowers_loss_and_is_deterministic(tokenizer):
@@ -279,15 +330,32 @@ def test_warm_start_lowers_loss_and_is_deterministic(tokenizer):
     assert all(torch.equal(p, q) for p, q in zip(*finals))
 
 
+def test_warm_start_with_window_masks_lowers_the_masked_loss(tokenizer):
+    rows = generate_dataset(16, seed=5, config=RepeatedAddConfig(min_count=2, max_count=4))
+    batch = collate(tokenizer, rows)
+    masked = {**batch, "attention_mask": prompt_window_mask(batch["attention_mask"], batch["prompt_lens"], torch.full((16,), 6))}
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)
+    with torch.no_grad():
+        before = response_loss(model, masked).item()
+    cfg = WarmStartConfig(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, window_mask_prob=1.0, window_range=(6, 6))
+    warm_start(model, tokenizer, rows, cfg, log=None)
+    with torch.no_grad():
+        assert response_loss(model, masked).item() < 0.75 * before
+
+
 def test_warm_start_time_budget_and_validation(tokenizer):
     rows = generate_dataset(4, seed=5, config=RepeatedAddConfig(min_count=1, max_count=2))
     model = build_tiny_model(tokenizer, MICRO_MODEL)
-    metrics = warm_start(model, tokenizer, rows, WarmStartConfig(steps=1000, batch_size=2, time_budget_s=1e-3), log=None)
-    assert metrics.stopped_by_time and metrics.steps == 1
+    metrics = warm_start(model, tokenizer, rows, WarmStartConfig(steps=1000, batch_size=2, time_budget_s=0.3), log=None)
+    assert metrics.stopped_by_time and 1 <= metrics.steps < 1000
     with pytest.raises(ValueError, match="steps"):
         warm_start(model, tokenizer, rows, WarmStartConfig(steps=0), log=None)
     with pytest.raises(ValueError, match="empty"):
         warm_start(model, tokenizer, [], WarmStartConfig(), log=None)
+    with pytest.raises(ValueError, match="window_mask_prob"):
+        warm_start(model, tokenizer, rows, WarmStartConfig(window_mask_prob=1.5), log=None)
+    with pytest.raises(ValueError, match="window_range"):
+        warm_start(model, tokenizer, rows, WarmStartConfig(window_range=(8, 4)), log=None)
 
 
 # ---------------------------------------------------------------- sampling helper
@@ -405,6 +473,8 @@ def test_assets_key_depends_on_every_parameter(tmp_path):
     keys = {base.key()} | {v.key() for v in variants}
     assert len(keys) == 1 + len(variants)
     assert base.key() == _micro_assets().key()
+    # Logging frequency does not change the assets.
+    assert _micro_assets(warm_start=WarmStartConfig(steps=2, batch_size=4, log_every=1)).key() == base.key()
     other = build_assets(tmp_path, _micro_assets(warm_start=None), log=None)
     assert not other.cache_hit and other.root.name.endswith(_micro_assets(warm_start=None).key())
     assert other.metadata()["warm_start"] is None
@@ -413,4 +483,6 @@ def test_assets_key_depends_on_every_parameter(tmp_path):
 def test_assets_reject_bad_config(tmp_path):
     with pytest.raises(ValueError, match="n_train"):
         build_assets(tmp_path, _micro_assets(n_train=0), log=None)
+    with pytest.raises(ValueError, match="distinct"):  # 90 * 8 * 3 problems in the micro task ranges
+        build_assets(tmp_path, _micro_assets(n_train=2000, n_test=200), log=None)
     assert not any(tmp_path.iterdir())

@@ -50,10 +50,18 @@ class AssetsConfig:
             raise ValueError(f"n_train={self.n_train} must be >= 1")
         if self.n_test < 1:
             raise ValueError(f"n_test={self.n_test} must be >= 1")
+        if self.n_train + self.n_test > self.task.num_problems:
+            raise ValueError(
+                f"n_train={self.n_train} + n_test={self.n_test} exceeds the {self.task.num_problems} distinct"
+                " problems the task ranges allow"
+            )
 
     def key(self) -> str:
-        """Short stable hash of every parameter (and the format version)."""
-        payload = json.dumps({"version": ASSETS_FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        """Short stable hash of every parameter that changes the assets (and the format version)."""
+        params = asdict(self)
+        if params["warm_start"] is not None:
+            params["warm_start"].pop("log_every")  # logging only
+        payload = json.dumps({"version": ASSETS_FORMAT_VERSION, **params}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
@@ -96,7 +104,7 @@ def build_assets(
     interrupted build never looks like a cache hit and concurrent builders do not clash.
     """
     config.validate()
-    cache_dir = Path(cache_dir)
+    cache_dir = Path(cache_dir).expanduser()
     final = cache_dir / f"repeated_add-{config.key()}"
     if (final / "assets.json").is_file():
         if log is not None:

@@ -3,6 +3,13 @@
 RL from random weights would see reward 0 everywhere; a short supervised run on reference
 scratchpads gives a policy that is right part of the time (room to improve under RL). Plain
 PyTorch AdamW on the HF model, cross-entropy on response tokens only (prompt and padding ignored).
+
+Optionally part of the sequences are trained under a "prompt + recent window" attention mask
+(`window_mask_prob`): every response token then sees only the prompt and its last W tokens, the
+view a KV cache that keeps the prompt and a recent window gives. A purely dense warm start gives a
+model whose accuracy collapses under any compressed cache (its attention leans on old scratchpad
+tokens), so sparse rollouts would start from reward ~0; the mixed warm start keeps a gap between
+dense and sparse sampling (the mismatch Sparse-RL corrects) without starting RL from nothing.
 """
 from __future__ import annotations
 
@@ -20,8 +27,10 @@ IGNORE_INDEX = -100  # label value that cross-entropy skips
 
 @dataclass(frozen=True)
 class WarmStartConfig:
-    """steps: optimizer steps. time_budget_s: stop early once exceeded (None = no limit); a run cut
-    short by it depends on the machine's speed, so deterministic runs leave it None."""
+    """steps: optimizer steps. time_budget_s: also end when this many seconds have passed (None = no
+    limit); the cosine decay then follows whichever of steps or time runs out first, so a run cut
+    short still ends annealed. Such a run depends on the machine's speed: deterministic runs leave it None.
+    """
 
     steps: int = 600
     batch_size: int = 32
@@ -34,6 +43,8 @@ class WarmStartConfig:
     seed: int = 0
     time_budget_s: float | None = None
     log_every: int = 25
+    window_mask_prob: float = 0.0  # fraction of sequences trained under a prompt + recent-window mask
+    window_range: tuple[int, int] = (16, 48)  # W drawn uniformly from this inclusive range per sequence
 
     def validate(self) -> None:
         if self.steps < 1:
@@ -48,6 +59,11 @@ class WarmStartConfig:
             raise ValueError(f"warmup_steps={self.warmup_steps} must be >= 0")
         if self.time_budget_s is not None and self.time_budget_s <= 0:
             raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0 or None")
+        if not 0.0 <= self.window_mask_prob <= 1.0:
+            raise ValueError(f"window_mask_prob={self.window_mask_prob} must lie in [0, 1]")
+        low, high = self.window_range
+        if not 1 <= low <= high:
+            raise ValueError(f"window_range={self.window_range} must satisfy 1 <= low <= high")
 
 
 @dataclass
@@ -61,12 +77,15 @@ class WarmStartMetrics:
     losses: list[float] = field(default_factory=list)
 
 
-def lr_at(step: int, config: WarmStartConfig) -> float:
-    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+def lr_at(step: int, config: WarmStartConfig, time_fraction: float = 0.0) -> float:
+    """Linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step.
+
+    time_fraction: elapsed / time budget; the decay follows it when it is ahead of the step count.
+    """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
     span = max(1, config.steps - config.warmup_steps)
-    progress = min(1.0, (step - config.warmup_steps) / span)
+    progress = min(1.0, max((step - config.warmup_steps) / span, time_fraction))
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
 
@@ -91,11 +110,36 @@ def collate(tokenizer: PreTrainedTokenizerBase, rows: Sequence[dict]) -> dict[st
         input_ids[i, : len(s)] = torch.tensor(s)
         labels[i, : len(lab)] = torch.tensor(lab)
         attention_mask[i, : len(s)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+    prompt_lens = torch.tensor([lab.count(IGNORE_INDEX) for lab in label_seqs])
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels, "prompt_lens": prompt_lens}
+
+
+def prompt_window_mask(
+    attention_mask: torch.Tensor, prompt_lens: torch.Tensor, windows: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Additive (batch, 1, L, L) mask for right-padded rows.
+
+    Causal everywhere; in a row with windows[b] > 0, each position past the prompt sees only the
+    prompt and its last windows[b] positions (itself included); windows[b] == 0 means dense.
+    Padding positions see only themselves, so no softmax row is empty.
+    """
+    width = attention_mask.size(1)
+    i = torch.arange(width).view(1, width, 1)  # query position
+    j = torch.arange(width).view(1, 1, width)  # key position
+    valid = attention_mask.bool()
+    w = windows.view(-1, 1, 1)
+    in_prompt = (i < prompt_lens.view(-1, 1, 1)) | (j < prompt_lens.view(-1, 1, 1))
+    visible = (j <= i) & (in_prompt | (w == 0) | (j > i - w)) & valid[:, None, :] & valid[:, :, None]
+    visible |= (i == j) & ~valid[:, :, None]
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    return mask[:, None]
 
 
 def response_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (response) tokens."""
+    """Mean next-token cross-entropy over the labelled (response) tokens.
+
+    batch["attention_mask"] is the 2D padding mask or a prepared 4D mask (`prompt_window_mask`).
+    """
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     # Position t predicts token t+1.
     shift_logits = logits[:, :-1].reshape(-1, logits.size(-1)).float()
@@ -120,6 +164,7 @@ def warm_start(
         raise ValueError("data is empty: warm start needs rows with 'prompt' and 'response'")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
+    window_rng = random.Random(config.seed + 1)  # separate stream: the batch order does not depend on it
     order: list[int] = []
 
     def next_batch() -> list[dict]:
@@ -141,9 +186,26 @@ def warm_start(
     start = time.perf_counter()
     stopped_by_time = False
     for step in range(config.steps):
+        time_fraction = 0.0
+        if config.time_budget_s is not None:
+            time_fraction = (time.perf_counter() - start) / config.time_budget_s
+            if time_fraction >= 1.0:
+                stopped_by_time = True
+                if log is not None:
+                    log(f"warm start stopped by time budget {config.time_budget_s:.0f}s after {step} steps")
+                break
+        lr = lr_at(step, config, time_fraction)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, config)
+            group["lr"] = lr
         batch = collate(tokenizer, next_batch())
+        if config.window_mask_prob > 0:
+            windows = [
+                window_rng.randint(*config.window_range) if window_rng.random() < config.window_mask_prob else 0
+                for _ in range(batch["input_ids"].size(0))
+            ]
+            batch["attention_mask"] = prompt_window_mask(
+                batch["attention_mask"], batch["prompt_lens"], torch.tensor(windows)
+            )
         loss = response_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -151,14 +213,9 @@ def warm_start(
         optimizer.step()
         losses.append(loss.item())
         tokens += int((batch["labels"] != IGNORE_INDEX).sum())
-        elapsed = time.perf_counter() - start
         if log is not None and ((step + 1) % config.log_every == 0 or step == 0 or step + 1 == config.steps):
-            log(f"warm start step {step + 1}/{config.steps} loss {loss.item():.4f} lr {lr_at(step, config):.2e} {elapsed:.0f}s")
-        if config.time_budget_s is not None and elapsed > config.time_budget_s and step + 1 < config.steps:
-            stopped_by_time = True
-            if log is not None:
-                log(f"warm start stopped by time budget {config.time_budget_s:.0f}s after {step + 1} steps")
-            break
+            elapsed = time.perf_counter() - start
+            log(f"warm start step {step + 1}/{config.steps} loss {loss.item():.4f} lr {lr:.2e} {elapsed:.0f}s")
     model.eval()
     tail = losses[-10:]
     return WarmStartMetrics(
