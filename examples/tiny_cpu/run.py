@@ -35,7 +35,10 @@ VARIANTS: dict[str, list[str]] = {
 
 # ~0.5M-parameter Qwen2; 400 supervised steps (~3 min on 2 cores) give greedy accuracy ~0.5 and
 # temperature-1 accuracy ~0.3 under dense inference: room for RL to improve.
-ASSETS = AssetsConfig(model=TinyModelConfig(intermediate_size=256), warm_start=WarmStartConfig(steps=400, log_every=50))
+ASSETS = AssetsConfig(
+    model=TinyModelConfig(intermediate_size=256),
+    warm_start=WarmStartConfig(steps=400, log_every=50, window_mask_prob=0.0),
+)
 
 # Sized for ~4 minutes of RL on 2 CPU cores: responses are ~75-140 tokens, the KV cache cycles
 # between 32 and 48 tokens (window 8), i.e. about half of what a dense cache holds.
