@@ -486,3 +486,25 @@ def test_assets_reject_bad_config(tmp_path):
     with pytest.raises(ValueError, match="distinct"):  # 90 * 8 * 3 problems in the micro task ranges
         build_assets(tmp_path, _micro_assets(n_train=2000, n_test=200), log=None)
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- the default assets, end to end
+
+
+@pytest.mark.slow
+def test_default_assets_land_in_the_rl_sweet_spot(tmp_path):
+    """The default build (~1.5 min on 2 free cores) gives a policy that is right part of the time,
+    keeps most of it when the cache holds the prompt + a recent window, and loses it with sinks only."""
+    paths = build_assets(tmp_path, AssetsConfig(), log=None)
+    model = Qwen2ForCausalLM.from_pretrained(str(paths.model_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(paths.model_dir))
+    rows = load_rows(paths, "test")[:128]
+    greedy = evaluate(model, tokenizer, rows, max_new_tokens=192)
+    sampled = evaluate(model, tokenizer, rows, max_new_tokens=192, temperature=1.0)
+    prompt_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, keep_prompt=True)
+    sinks_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, n_sink=2)
+    assert 0.4 <= greedy.accuracy <= 0.95
+    assert 0.2 <= sampled.accuracy <= 0.8
+    assert prompt_window.accuracy >= 0.75 * greedy.accuracy
+    assert sinks_window.accuracy <= 0.3
+    assert 80 <= greedy.mean_response_tokens <= 120

@@ -43,7 +43,7 @@ def sink_window_mask(valid: torch.Tensor, n_sink: int | torch.Tensor, window: in
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Boolean (batch, q, k) mask -> additive (batch, 1, q, k) float mask for any attention kernel."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[:, None]
 
@@ -85,7 +85,8 @@ def generate(
 
 
 def _generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, generator, window, n_sink, keep_prompt):
-    dtype = next(model.parameters()).dtype
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
     encoded = [tokenizer(p, add_special_tokens=True)["input_ids"] for p in prompts]
     if keep_prompt:
         n_sink = torch.tensor([len(e) for e in encoded])
@@ -96,11 +97,12 @@ def _generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, gene
         input_ids[i, width - len(ids) :] = torch.tensor(ids)
         valid[i, width - len(ids) :] = True
     positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+    input_ids, valid, positions = input_ids.to(device), valid.to(device), positions.to(device)
 
     # Dense causal prefill over real tokens; padded rows see themselves only (avoids all -inf rows).
-    causal = torch.tril(torch.ones(width, width, dtype=torch.bool))
+    causal = torch.tril(torch.ones(width, width, dtype=torch.bool, device=device))
     allowed = causal[None] & valid[:, None, :]
-    allowed |= torch.eye(width, dtype=torch.bool)[None]
+    allowed |= torch.eye(width, dtype=torch.bool, device=device)[None]
     cache = DynamicCache(config=model.config)
     logits = model(
         input_ids=input_ids, attention_mask=_additive(allowed, dtype), position_ids=positions,
@@ -112,9 +114,9 @@ def _generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, gene
     done = torch.zeros(batch, dtype=torch.bool)
     for _ in range(max_new_tokens):
         if temperature == 0:
-            token = logits.argmax(dim=-1)
-        else:
-            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            token = logits.argmax(dim=-1).cpu()
+        else:  # sample on the CPU so one seeded generator serves every device
+            probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(1)
         for i in range(batch):
             if not done[i]:
@@ -122,10 +124,11 @@ def _generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, gene
         done |= token == tokenizer.eos_token_id
         if bool(done.all()):
             break
-        valid = torch.cat([valid, torch.ones((batch, 1), dtype=torch.bool)], dim=1)
+        valid = torch.cat([valid, torch.ones((batch, 1), dtype=torch.bool, device=device)], dim=1)
         allowed = sink_window_mask(valid, n_sink, window)[:, None, :]
         logits = model(
-            input_ids=token[:, None], attention_mask=_additive(allowed, dtype), position_ids=next_pos[:, None],
+            input_ids=token[:, None].to(device), attention_mask=_additive(allowed, dtype),
+            position_ids=next_pos[:, None],
             past_key_values=cache, use_cache=True,
         ).logits[:, -1]
         next_pos = next_pos + 1

@@ -19,8 +19,8 @@ Why this shape (measured on a 2-core CPU while choosing it):
   is a local operation (increment a counter, copy, add a digit to a short number) or a read from a
   fixed place in the prompt. A running sum over the prompt's digits ("35274=" -> "3+5=8;8+2=10;...")
   was tried first: the model must fetch the k-th prompt digit at step k, an induction-style pointer
-  that did not form within 300-600 steps (loss on those digits stayed near chance), so accuracy
-  stayed below 0.1.
+  that did not form within 300 steps (loss on those digits 0.9-2.1 nats, chance is 2.2, while the
+  arithmetic tokens were learned), so accuracy stayed below 0.1.
 - The reward checks only the final answer, so it is verifiable without trusting the scratchpad.
 """
 from __future__ import annotations

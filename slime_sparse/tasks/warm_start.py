@@ -177,6 +177,7 @@ def warm_start(
             picked.append(data[order.pop()])
         return picked
 
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
     )
@@ -206,6 +207,7 @@ def warm_start(
             batch["attention_mask"] = prompt_window_mask(
                 batch["attention_mask"], batch["prompt_lens"], torch.tensor(windows)
             )
+        batch = {k: v.to(device) for k, v in batch.items()}
         loss = response_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
