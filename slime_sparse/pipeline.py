@@ -107,8 +107,6 @@ def split_steps(batch: TrainBatch, n_steps: int) -> list[TrainBatch]:
     out = []
     for k in range(n_steps):
         part = batch.select(list(range(k * size, (k + 1) * size)))
-        kept = [float(m.sum()) for m in part.loss_masks]
-        part.num_seqs = float(sum(x > 0 for x in kept))
-        part.num_tokens = float(sum(kept))
+        part.num_seqs, part.num_tokens = part.local_normalisers()
         out.append(part)
     return out

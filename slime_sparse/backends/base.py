@@ -33,6 +33,22 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def local_normalisers(self) -> tuple[float, float]:
+        """(sequences with a kept token, kept tokens) of this batch alone."""
+        kept = [float(m.sum()) for m in self.loss_masks]
+        return float(sum(k > 0 for k in kept)), float(sum(kept))
+
+    def checked_normalisers(self, *, needs_ref: bool) -> tuple[float, float]:
+        """What every learner's train_step needs: inputs present, and the step's (num_seqs, num_tokens)
+        (the global ones when the loop set them, else this batch's own)."""
+        if self.old_logprobs is None:
+            raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
+        if needs_ref and self.ref_logprobs is None:
+            raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
+        if self.num_seqs is None or self.num_tokens is None:
+            return self.local_normalisers()
+        return self.num_seqs, self.num_tokens
+
     def select(self, idx: list[int]) -> "TrainBatch":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
         return TrainBatch(

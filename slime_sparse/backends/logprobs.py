@@ -1,8 +1,12 @@
 """Per-token log-probs of response tokens from a Hugging Face causal LM (dense, full context)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
+
+from slime_sparse.backends.batching import pack_by_tokens
 
 
 def pad_right(rows: list[list[int]] | list[torch.Tensor], pad: float | int = 0, dtype=None, device=None) -> torch.Tensor:
@@ -55,3 +59,26 @@ def response_logprobs(
     if with_entropy:
         entropy = -(logp_all.exp() * logp_all).sum(-1) * mask
     return logp, entropy
+
+
+@torch.no_grad()
+def recompute_logprobs(
+    model: torch.nn.Module | None,
+    tokens: list[list[int]],
+    response_lens: list[int],
+    max_tokens: int,
+    forward: Callable[[torch.nn.Module, list[list[int]], list[int]], torch.Tensor],
+) -> list[torch.Tensor]:
+    """Dense pi_old / pi_ref recompute shared by the learners: micro-batches of at most `max_tokens`
+    (padded) tokens through `forward(model, tokens, response_lens) -> [B, R]`, one CPU fp32 row each."""
+    if model is None:
+        raise ValueError("reference log-probs requested but the learner was built without a reference model")
+    was_training = model.training
+    model.eval()
+    out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
+    for idx in pack_by_tokens([len(t) for t in tokens], max_tokens):
+        logp = forward(model, [tokens[i] for i in idx], [response_lens[i] for i in idx])
+        for row, i in enumerate(idx):
+            out[i] = logp[row, : response_lens[i]].float().cpu()
+    model.train(was_training)
+    return out

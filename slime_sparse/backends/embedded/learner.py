@@ -14,7 +14,7 @@ import torch.distributed as dist
 from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
-from slime_sparse.backends.logprobs import pad_right, response_logprobs
+from slime_sparse.backends.logprobs import pad_right, recompute_logprobs, response_logprobs
 from slime_sparse.utils.checkpoint import load_training_state, save_training_state
 
 
@@ -66,33 +66,15 @@ class EmbeddedLearner:
     @torch.no_grad()
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
         model = self.ref_model if ref else self.model
-        if model is None:
-            raise ValueError("reference log-probs requested but the learner was built without a reference model")
-        was_training = model.training
-        model.eval()
-        out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
-        for idx in pack_by_tokens([len(t) for t in tokens], self.max_tokens):
-            logp, _ = response_logprobs(model, [tokens[i] for i in idx], [response_lens[i] for i in idx],
-                                        temperature=self.temperature)
-            for row, i in enumerate(idx):
-                out[i] = logp[row, : response_lens[i]].float().cpu()
-        model.train(was_training)
-        return out
+        return recompute_logprobs(model, tokens, response_lens, self.max_tokens,
+                                  lambda m, t, r: response_logprobs(m, t, r, temperature=self.temperature)[0])
 
     # ---- update ----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's shard of the global batch)."""
-        if batch.old_logprobs is None:
-            raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
-        if self.loss_cfg.use_kl_loss and batch.ref_logprobs is None:
-            raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
-        if num_seqs is None or num_tokens is None:  # single process, whole batch
-            kept = [m.sum().item() for m in batch.loss_masks]
-            num_seqs = float(sum(k > 0 for k in kept))
-            num_tokens = float(sum(kept))
         totals: dict[str, float] = {}
         all_rejected = 1.0
         loss_total = 0.0

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
-from slime_sparse.backends.logprobs import pad_right
+from slime_sparse.backends.logprobs import pad_right, recompute_logprobs
 from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_state, training_checkpoint_dir
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
@@ -212,20 +212,9 @@ class MegatronLearner:
     @torch.no_grad()
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
         model = self.ref_model if ref else self.model
-        if model is None:
-            raise ValueError("reference log-probs requested but the learner was built without a reference model")
-        was_training = model.training
-        model.eval()
-        out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
-        for idx in pack_by_tokens([len(t) for t in tokens], self.max_tokens):
-            logp, _ = response_logprobs(
-                model, [tokens[i] for i in idx], [response_lens[i] for i in idx],
-                vocab_size=self.spec.vocab_size, temperature=self.temperature,
-            )
-            for row, i in enumerate(idx):
-                out[i] = logp[row, : response_lens[i]].float().cpu()
-        model.train(was_training)
-        return out
+        forward = lambda m, t, r: response_logprobs(  # noqa: E731
+            m, t, r, vocab_size=self.spec.vocab_size, temperature=self.temperature)[0]
+        return recompute_logprobs(model, tokens, response_lens, self.max_tokens, forward)
 
     # ---- update ----------------------------------------------------------------------------
     def _microbatch_loss(self, model: torch.nn.Module, mb: TrainBatch, num_seqs: float, num_tokens: float):
@@ -244,14 +233,7 @@ class MegatronLearner:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP rank)."""
-        if batch.old_logprobs is None:
-            raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
-        if self.loss_cfg.use_kl_loss and batch.ref_logprobs is None:
-            raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
-        num_seqs, num_tokens = batch.num_seqs, batch.num_tokens
-        if num_seqs is None or num_tokens is None:  # single data-parallel rank, whole batch
-            kept = [m.sum().item() for m in batch.loss_masks]
-            num_seqs, num_tokens = float(sum(k > 0 for k in kept)), float(sum(kept))
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
         micro = [batch.select(idx) for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens)]
         lr = lr_at(self.step, self.optim)
         self.model.train()
