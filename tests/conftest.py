@@ -9,3 +9,21 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory):
+    """Builder of the tiny task assets the end-to-end tests share: a ~20k-parameter random Qwen2 (no
+    warm start), short repeated-addition problems, cached per `n_train` for the whole session."""
+    from slime_sparse.tasks.assets import AssetsConfig, build_assets
+    from slime_sparse.tasks.repeated_add import RepeatedAddConfig
+    from slime_sparse.tasks.tiny_model import TinyModelConfig
+
+    def build(n_train: int = 64):
+        cfg = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=4),
+                           model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                 intermediate_size=64, max_position_embeddings=128),
+                           warm_start=None, n_train=n_train, n_test=4)
+        return build_assets(tmp_path_factory.getbasetemp() / "tiny_assets", cfg, log=None)
+
+    return build

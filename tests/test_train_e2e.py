@@ -6,9 +6,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from slime_sparse.tasks.assets import AssetsConfig, build_assets
-from slime_sparse.tasks.repeated_add import RepeatedAddConfig
-from slime_sparse.tasks.tiny_model import TinyModelConfig
 from slime_sparse.train import main
 
 # every metric family the run must log (design.md section 2)
@@ -22,12 +19,8 @@ REQUIRED = [
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    cfg = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=4),
-                       model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                                             intermediate_size=64, max_position_embeddings=128),
-                       warm_start=None, n_train=64, n_test=4)
-    return build_assets(tmp_path_factory.mktemp("assets"), cfg, log=None)
+def assets(tiny_assets):
+    return tiny_assets(n_train=64)
 
 
 def args(assets, run_dir, num_rollout, *extra):
