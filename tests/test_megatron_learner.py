@@ -1,8 +1,10 @@
-"""The Megatron learner at TP=2 (CPU, gloo) against the embedded learner on the same batch and weights.
+"""The Megatron learner on 2 ranks (CPU, gloo) at TP=2 and at PP=2 against the embedded learner on the same
+batch and weights.
 
 Same Sparse-RL loss (sparsity weights, rejected tokens, KL to pi_ref, entropy bonus), so the dense
 recompute, the loss, every gradient (mapped back to HF names), the gradient norm and the weights after
-one AdamW step must agree. The pad token (id 0) appears as an input, so the pad-row gradient rule of HF's
+one AdamW step must agree. At PP=2 the micro-batches go through megatron-core's 1F1B schedule between the
+two stages and the tied embedding has a copy on each stage, whose gradients must be summed. The pad token (id 0) appears as an input, so the pad-row gradient rule of HF's
 embedding is exercised. save_checkpoint / load_checkpoint (collective, atomic) must restore model,
 optimizer and step, and the checkpoint's model/ must be the HF export of the weights.
 """
@@ -50,17 +52,21 @@ def make_batch(logp_now: list[torch.Tensor]) -> TrainBatch:
     )
 
 
-def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, ckpt_dir: str) -> dict:
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) on 2 ranks
+
+
+def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, ckpt_dir: str, tp: int, pp: int) -> dict:
     from slime_sparse.backends.megatron import build_megatron_learner
     from slime_sparse.backends.megatron.hf_io import export_hf_weights
     from slime_sparse.backends.megatron.learner import MegatronConfig, MegatronLearner, OptimConfig, clip_grad_norm_tp
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
 
-    init_parallel(ParallelConfig(2))
+    layout = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    init_parallel(ParallelConfig(tp, pp))
 
     def build():
-        return MegatronLearner(read_hf_config(hf_dir), LOSS, hf_dir=hf_dir, megatron=MegatronConfig(tensor_model_parallel_size=2),
+        return MegatronLearner(read_hf_config(hf_dir), LOSS, hf_dir=hf_dir, megatron=layout,
                                optim=OptimConfig(**OPTIM), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, need_ref=True)
 
     learner = build()
@@ -71,7 +77,7 @@ def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, 
     # The entry point `--train-backend megatron` uses: reads train / loss / sampling from a RunConfig.
     run_cfg = RunConfig(train=TrainConfig(hf_checkpoint=hf_dir, lr=1e-3, max_tokens_per_gpu=MAX_TOKENS), loss=LOSS,
                         sampling=SamplingParams(temperature=TEMPERATURE))
-    built = build_megatron_learner(run_cfg, MegatronConfig(tensor_model_parallel_size=2))
+    built = build_megatron_learner(run_cfg, layout)
     out["built"] = (built.compute_logprobs(batch.tokens, batch.response_lens), built.temperature, built.optim.lr,
                     built.ref_model is not None)
     del built
@@ -101,9 +107,10 @@ def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, 
     return out
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mcore_learner")
+@pytest.fixture(scope="module", params=sorted(LAYOUTS))
+def setup(request, tmp_path_factory):
+    tp, pp = LAYOUTS[request.param]
+    root = tmp_path_factory.mktemp(f"mcore_learner_{request.param}")
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0)
@@ -121,12 +128,13 @@ def setup(tmp_path_factory):
     reference["metrics"] = embedded.train_step(batch)
     reference["grads"] = {n: p.grad.clone() for n, p in embedded.model.named_parameters()}
     reference["weights"] = {n: p.detach().clone() for n, p in embedded.model.named_parameters()}
-    per_rank = spawn(_learner_worker, 2, hf_dir, batch, str(root / "ckpt"), result_dir=str(root), timeout_s=560)
-    return per_rank, reference, root / "ckpt"
+    per_rank = spawn(_learner_worker, 2, hf_dir, batch, str(root / "ckpt"), tp, pp, result_dir=str(root),
+                     timeout_s=560)
+    return per_rank, reference, root / "ckpt", (tp, pp)
 
 
 def test_dense_recompute_matches_embedded(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     for out in per_rank:
         for key in ("logp", "ref_logp"):
             for got, want in zip(out[key], ref[key]):
@@ -134,7 +142,7 @@ def test_dense_recompute_matches_embedded(setup):
 
 
 def test_build_from_run_config(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     for out in per_rank:
         logp, temperature, lr, has_ref = out["built"]
         assert (temperature, lr, has_ref) == (TEMPERATURE, 1e-3, True)
@@ -143,7 +151,7 @@ def test_build_from_run_config(setup):
 
 
 def test_loss_and_metrics_match_embedded(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     want = ref["metrics"]
     for out in per_rank:
         got = out["metrics"]
@@ -154,7 +162,7 @@ def test_loss_and_metrics_match_embedded(setup):
 
 
 def test_gradients_match_embedded(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     grads = ref["grads"]
     for out in per_rank:
         for name, grad in out["grads"].items():
@@ -163,14 +171,14 @@ def test_gradients_match_embedded(setup):
 
 
 def test_adamw_step_matches_embedded(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     for out in per_rank:
         for name, weight in out["weights"].items():
             torch.testing.assert_close(weight, ref["weights"][name], rtol=0, atol=2e-5, msg=name)
 
 
 def test_checkpoint_layout_and_hf_export(setup):
-    per_rank, _, ckpt_dir = setup
+    per_rank, _, ckpt_dir, (tp, pp) = setup
     assert [out["bad_save"] for out in per_rank] == ["ValueError", "RuntimeError"]
     assert sorted(os.listdir(ckpt_dir)) == ["latest", "rollout_000007"]  # no leftovers of the failed save
     assert (ckpt_dir / "latest").read_text().strip() == "rollout_000007"
@@ -178,8 +186,8 @@ def test_checkpoint_layout_and_hf_export(setup):
     assert sorted(os.listdir(path / "optim")) == sorted(os.listdir(path / "rng")) == ["rank00000.pt", "rank00001.pt"]
     state = json.loads((path / "trainer_state.json").read_text())
     assert state["step"] == 7 and state["data_state"] == DATA_STATE
-    assert state["extra"]["megatron_layout"] == {"world_size": 2, "tensor_model_parallel_size": 2,
-                                                 "pipeline_model_parallel_size": 1, "optimizer": "torch-adamw"}
+    assert state["extra"]["megatron_layout"] == {"world_size": 2, "tensor_model_parallel_size": tp,
+                                                 "pipeline_model_parallel_size": pp, "optimizer": "torch-adamw"}
     exported = load_file(str(path / "model" / "model.safetensors"))
     assert exported.keys() == per_rank[0]["weights"].keys()
     for name, w in per_rank[0]["weights"].items():  # the HF export is the learner's weights, bit for bit
@@ -191,7 +199,7 @@ def test_checkpoint_layout_and_hf_export(setup):
 
 
 def test_save_load_restores_model_optimizer_and_step(setup):
-    per_rank, _, _ = setup
+    per_rank, _, _, _ = setup
     for out in per_rank:
         state = out["state"]
         assert state["step"] == 7 and state["data_state"] == DATA_STATE and state["extra"]["rollout"] == 7
@@ -206,7 +214,7 @@ def test_save_load_restores_model_optimizer_and_step(setup):
 
 
 def test_tp_aware_grad_clipping(setup):
-    per_rank, ref, _ = setup
+    per_rank, ref, _, _ = setup
     ref_norm = torch.sqrt(sum(g.double().pow(2).sum() for g in ref["grads"].values())).item()
     for out in per_rank:
         # the norm after the *second* step's backward; just check it is the full-model norm of those grads

@@ -1,12 +1,13 @@
 #!/usr/bin/env python
-"""Smoke test of the Megatron learner: a few Sparse-RL training steps at TP=1 and TP=2, loss and timing.
+"""Smoke test of the Megatron learner: a few Sparse-RL training steps per TP x PP layout, loss and timing.
 
-    python examples/megatron/smoke_train.py                       # tiny random Qwen2, TP=1 (+ TP=2 with 2 GPUs)
-    python examples/megatron/smoke_train.py --hf-dir Qwen2.5-0.5B --tp 1 2 --steps 5 --bf16
+    python examples/megatron/smoke_train.py              # tiny random Qwen2: 1x1 (+ 2x1 and 1x2 with 2 GPUs)
+    python examples/megatron/smoke_train.py --hf-dir Qwen2.5-0.5B --layouts 1x1 2x1 1x2 --steps 5 --bf16
 
-On GPUs it exercises Megatron's DDP, distributed optimizer and forward/backward schedule (NCCL, one
-process per GPU); without GPUs the same script runs on CPU over gloo (torch AdamW), which is how it
-was checked on CI-class machines. Each step: dense recompute of pi_old and pi_ref, then one optimizer
+A layout "TxP" runs T x P processes (tensor x pipeline parallel, one replica). On GPUs it exercises
+Megatron's DDP, distributed optimizer and forward/backward schedules (NCCL, one process per GPU);
+without GPUs the same script runs on CPU over gloo (torch AdamW), which is how it was checked on
+CI-class machines. Each step: dense recompute of pi_old and pi_ref, then one optimizer
 step of the Sparse-RL loss on random tokens with random advantages and sparsity weights.
 """
 from __future__ import annotations
@@ -32,18 +33,19 @@ def make_tiny_qwen2(path: str, *, hidden: int, layers: int, vocab: int) -> None:
     Qwen2ForCausalLM(cfg).save_pretrained(path)
 
 
-def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace) -> None:
+def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace, tp: int, pp: int) -> None:
     from slime_sparse.algo import LossConfig
     from slime_sparse.backends.base import TrainBatch
     from slime_sparse.backends.megatron.learner import MegatronConfig, MegatronLearner, OptimConfig
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
 
-    init_parallel(ParallelConfig(world_size), seed=args.seed)
+    init_parallel(ParallelConfig(tp, pp), seed=args.seed)
+    name = f"TP={tp} PP={pp}"
     hf_config = read_hf_config(hf_dir)
     loss_cfg = LossConfig(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1e-4, kl_loss_type="k3")
     learner = MegatronLearner(
-        hf_config, loss_cfg, hf_dir=hf_dir, megatron=MegatronConfig(tensor_model_parallel_size=world_size),
+        hf_config, loss_cfg, hf_dir=hf_dir, megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         optim=OptimConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98)), max_tokens=args.max_tokens,
         temperature=1.0, need_ref=True, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
     )
@@ -67,17 +69,28 @@ def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace) ->
         t2 = time.perf_counter()
         if rank == 0:
             ntok = args.batch * (args.prompt_len + args.response_len)
-            print(f"TP={world_size} step {step}: loss {metrics['train/loss']:+.5f} grad_norm {metrics['train/grad_norm']:.4f} "
+            print(f"{name} step {step}: loss {metrics['train/loss']:+.5f} grad_norm {metrics['train/grad_norm']:.4f} "
                   f"recompute {t1 - t0:.3f}s train {t2 - t1:.3f}s ({ntok / (t2 - t1):.0f} tok/s)", flush=True)
     n_weights = sum(1 for _ in learner.named_weights())  # gathered export, as the weight sync would stream it
     if rank == 0:
-        print(f"TP={world_size}: exported {n_weights} HF tensors", flush=True)
+        print(f"{name}: exported {n_weights} HF tensors", flush=True)
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    try:
+        tp, pp = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--layouts: expected TPxPP such as 2x1, got {text!r}") from None
+    if tp < 1 or pp < 1:
+        raise SystemExit(f"--layouts: sizes must be >= 1, got {text!r}")
+    return tp, pp
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hf-dir", default="", help="HF Qwen2/Llama directory (default: a tiny random Qwen2)")
-    parser.add_argument("--tp", type=int, nargs="+", default=None, help="TP sizes to run (default: 1, and 2 with >= 2 GPUs)")
+    parser.add_argument("--layouts", nargs="+", default=None, metavar="TxP",
+                        help="TP x PP layouts to run (default: 1x1, plus 2x1 and 1x2 with >= 2 GPUs)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -93,19 +106,19 @@ def main(argv: list[str] | None = None) -> None:
     from slime_sparse.backends.megatron.parallel import spawn
 
     gpus = torch.cuda.device_count()
-    tps = args.tp or ([1, 2] if gpus >= 2 else [1])
+    layouts = [parse_layout(x) for x in (args.layouts or (["1x1", "2x1", "1x2"] if gpus >= 2 else ["1x1"]))]
     hf_dir = args.hf_dir
     if not hf_dir:
         hf_dir = tempfile.mkdtemp(prefix="mcore_smoke_")
         make_tiny_qwen2(hf_dir, hidden=args.tiny_hidden, layers=args.tiny_layers, vocab=8192)
     print(f"device: {'%d GPU(s), %s' % (gpus, torch.cuda.get_device_name(0)) if gpus else 'CPU (gloo)'}; model {hf_dir}")
-    for tp in tps:
-        if gpus and tp > gpus:
-            print(f"TP={tp}: skipped, only {gpus} GPU(s)")
+    for tp, pp in layouts:
+        if gpus and tp * pp > gpus:
+            print(f"TP={tp} PP={pp}: skipped, only {gpus} GPU(s)")
             continue
         start = time.perf_counter()
-        spawn(worker, tp, hf_dir, args)
-        print(f"TP={tp}: done in {time.perf_counter() - start:.1f}s (including start-up)")
+        spawn(worker, tp * pp, hf_dir, args, tp, pp)
+        print(f"TP={tp} PP={pp}: done in {time.perf_counter() - start:.1f}s (including start-up)")
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 
 The ranks join one torch.distributed group (NCCL on GPU, gloo on CPU) and hold either
 - a full replica each (`--train-backend embedded`): N data-parallel ranks; or
-- a Megatron rank (`--train-backend megatron`): TP = --tensor-model-parallel-size ranks share one
-  replica, DP = N / TP replicas. The ranks of one tensor-parallel group get the same data shard, and
-  the weight export and checkpoints are collectives every rank of a replica takes part in.
+- a Megatron rank (`--train-backend megatron`): TP x PP (--tensor-model-parallel-size x
+  --pipeline-model-parallel-size) ranks share one replica, DP = N / (TP x PP) replicas. The ranks of one
+  replica get the same data shard and return the same results, and the weight export and checkpoints
+  are collectives every rank of a replica takes part in.
 The driver splits each optimizer step's batch into DP shards, balanced by token count; each rank runs
 its shard with the step's *global* normalisers (num_seqs / num_tokens), and the learner sums the
 gradients over the data-parallel ranks before clipping and the optimizer step, so the update equals the

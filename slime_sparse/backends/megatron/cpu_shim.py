@@ -1,25 +1,30 @@
-"""Run megatron-core on CPU (gloo): the three CUDA assumptions it makes, patched in one place.
+"""Run megatron-core on CPU (gloo): the CUDA assumptions it makes, patched in one place.
 
-megatron-core 0.16 builds and runs a GPTModel on the local layer spec with gloo, except for three spots
-that call CUDA unconditionally:
+megatron-core 0.16 builds and runs a GPTModel on the local layer spec with gloo, except for spots that
+call CUDA unconditionally:
 
 1. the tensor-parallel RNG tracker (`CudaRNGStatesTracker.add/fork` read and write CUDA generator states);
    it is entered on every attention forward (dropout region), even with dropout 0;
 2. `GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()` (used by the tensor-parallel
    all-gathers and by the local attention's score buffer);
-3. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on the first forward.
+3. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()` on the first forward;
+4. the forward/backward schedules allocate their token counter with `device="cuda"`, and the pipeline's
+   point-to-point layer allocates shape and activation buffers on `torch.cuda.current_device()` and calls
+   `torch.cuda.synchronize()`;
+5. with pipeline parallelism and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer` moves
+   the last stage's copy of the embedding to CUDA (`.cuda()`) before all-reducing it with the first stage.
 
 Saving a distributed checkpoint (dist_checkpointing, torch_dist format) adds two more: the writer's
 `preload_tensors` calls `torch.cuda.synchronize()` and `save_state_dict_async_finalize` broadcasts a
-flag allocated on `torch.cuda.current_device()`. (A fourth forward-time one, the default causal mask
-built with device="cuda" when no mask is passed, is avoided by always passing the mask: see
-logprobs.causal_mask.)
+flag allocated on `torch.cuda.current_device()`. (A forward-time one, the default causal mask built with
+device="cuda" when no mask is passed, is avoided by always passing the mask: see logprobs.causal_mask.)
 
 `apply_cpu_shim()` replaces (1) with a tracker that keeps *CPU* generator states under the same names,
-and runs the other methods with `torch.cuda.current_device()` answering "cpu" and
-`torch.cuda.synchronize()` doing nothing, for the duration of those calls only. It is a no-op when CUDA is available, idempotent, and touches nothing else. Megatron's own
-DDP buffers, distributed optimizer and pipeline schedules remain CUDA-only: on CPU the learner drives
-the model with a torch optimizer (see learner.py).
+and runs the other functions "CUDA on CPU" for the duration of those calls only: `torch.cuda.current_device()`
+answers "cpu", `torch.cuda.synchronize()` does nothing, factory functions asked for `device="cuda"` allocate
+on the CPU and `Tensor.cuda()` returns the tensor itself. It is a no-op when CUDA is available, idempotent,
+and touches nothing else. Megatron's DDP buffers and distributed optimizer remain CUDA-only: on CPU the
+learner steps the model with a torch optimizer (see learner.py), but it runs Megatron's own schedules.
 """
 from __future__ import annotations
 
@@ -28,19 +33,37 @@ import functools
 from typing import Callable, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
 
+def _is_cuda(device) -> bool:
+    return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
+
+
+class _CudaOnCpuMode(TorchFunctionMode):
+    """`device="cuda"` -> CPU for every torch function, and `Tensor.cuda()` -> the tensor itself."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _current_device_is_cpu() -> Iterator[None]:
-    """Inside the block `torch.cuda.current_device()` answers "cpu" and `torch.cuda.synchronize()` does
-    nothing (only used when CUDA is absent, where both would raise)."""
+    """Inside the block CUDA requests land on the CPU (see the module docstring); only used when CUDA is
+    absent, where all of them would raise."""
     device, sync = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]
     try:
-        yield
+        with _CudaOnCpuMode():
+            yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize = device, sync  # type: ignore[assignment]
 
@@ -101,6 +124,8 @@ def apply_cpu_shim() -> bool:
         return True
     from megatron.core import utils as mutils
     from megatron.core.models.common.embeddings import rotary_pos_embedding as rope
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mrandom
 
     tracker_cls = _make_cpu_tracker_class()
@@ -109,6 +134,11 @@ def apply_cpu_shim() -> bool:
 
     mutils.GlobalMemoryBuffer.get_tensor = _on_cpu(mutils.GlobalMemoryBuffer.get_tensor)
     rope.RotaryEmbedding.get_emb = _on_cpu(rope.RotaryEmbedding.get_emb)
+    LanguageModule.setup_embeddings_and_output_layer = _on_cpu(LanguageModule.setup_embeddings_and_output_layer)
+    # get_forward_backward_func looks these up in the module at call time, so it returns the wrapped ones
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving"):
+        setattr(schedules, name, _on_cpu(getattr(schedules, name)))
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async, state_dict_saver
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy

@@ -1,19 +1,22 @@
-"""The Megatron learner: megatron-core GPTModel (TP x DP), dense recompute of pi_old / pi_ref, Sparse-RL loss.
+"""The Megatron learner: megatron-core GPTModel (TP x PP x DP), dense recompute of pi_old / pi_ref, Sparse-RL loss.
 
 Every rank of the learner group builds one `MegatronLearner` after `init_parallel` and calls the same
 methods in the same order (they contain collectives). The batch a rank receives is its data-parallel
-shard, identical on all TP ranks of one DP group, with the step's *global* normalisers
+shard, identical on all TP / PP ranks of one replica, with the step's *global* normalisers
 (`num_seqs` / `num_tokens`), exactly as for the embedded learner; the loss is
 `slime_sparse.algo.policy_loss`, the one implementation every backend shares.
 
-Two execution paths, same math:
-- GPU: Megatron's DistributedDataParallel, distributed optimizer (Adam) and forward/backward schedule;
-  `calculate_per_token_loss` keeps the schedule from rescaling our globally-normalised loss, and DP
-  gradients are summed (not averaged) for the same reason.
-- CPU (gloo, tests): the model runs under the CPU shim; a torch AdamW steps it, gradients are summed over
-  the DP group by hand and clipped with a TP-aware global norm.
-Pipeline parallelism is supported by the model build, checkpoints and weight export, but not yet by the
-learner (ValueError): its log-prob recompute would need the last stage's results broadcast.
+Forward and backward always go through megatron-core's schedule (`get_forward_backward_func`): 1F1B
+over the pipeline stages when PP > 1, a plain micro-batch loop otherwise. Only the last stage has
+logits; it computes log-probs and the loss inside the schedule's loss function, and broadcasts the
+recomputed log-probs and the step's metrics to the other stages, so every rank returns the same.
+`calculate_per_token_loss` keeps the schedule from rescaling our globally-normalised loss. What differs
+by device is the optimizer step:
+- GPU: Megatron's DistributedDataParallel and distributed optimizer (Adam); its finalize hook reduces
+  the gradients (DP summed, not averaged, for the same reason; tied embeddings across stages).
+- CPU (gloo, tests): the schedule runs under the CPU shim; gradients are summed over the DP group (and
+  the tied embedding over the first/last stages) by hand, clipped with a TP/PP-aware global norm, and a
+  torch AdamW steps the model.
 
 Training checkpoints (`save_checkpoint` / `load_checkpoint`, collective) use the layout of
 `slime_sparse.utils.checkpoint`, so `latest_checkpoint`, `list_checkpoints` and pruning work unchanged:
@@ -30,7 +33,7 @@ import contextlib
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -38,13 +41,13 @@ import torch.distributed as dist
 from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
-from slime_sparse.backends.logprobs import pad_right, recompute_logprobs
+from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_state, training_checkpoint_dir
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
 from . import checkpoint as ckpt
 from .hf_io import HFWeights, bucketed, export_hf_weights, load_hf_weights, save_hf_checkpoint
-from .logprobs import response_logprobs
+from .logprobs import check_rows, forward_logits, logprobs_from_logits
 from .model_config import ModelSpec, build_gpt_model, read_hf_config
 
 # Inside a training checkpoint (besides utils.checkpoint's model/ and trainer_state.json):
@@ -69,11 +72,8 @@ class MegatronConfig:
     def validate(self) -> None:
         if self.tensor_model_parallel_size < 1:
             raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
-        if self.pipeline_model_parallel_size != 1:
-            raise ValueError(
-                f"--pipeline-model-parallel-size={self.pipeline_model_parallel_size}: the Megatron learner runs PP=1 "
-                "for now (checkpoints and converters support PP; use TP x DP for training)"
-            )
+        if self.pipeline_model_parallel_size < 1:
+            raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
         if self.vocab_divisible_by < 1:
             raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {self.vocab_divisible_by}")
         if self.load and not os.path.isdir(self.load):
@@ -139,6 +139,7 @@ class MegatronLearner:
         self.owns_process_group = False  # set by build_megatron_learner when it initialised torch.distributed
 
         self.model = self._build_and_load(hf_dir)
+        self.model.config.calculate_per_token_loss = True  # our loss is already normalised by the step's global counts
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = self._build_and_load(hf_dir).eval().requires_grad_(False)
@@ -184,7 +185,6 @@ class MegatronLearner:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         config = self.model.config
-        config.calculate_per_token_loss = True  # our loss is already normalised by the step's global counts
         # Megatron's finalize would divide by the schedule's token count: keep its grad sync, drop the scaling.
         config.finalize_model_grads_func = lambda models, num_tokens=None, **kw: finalize_model_grads(models, num_tokens=None, **kw)
         ddp_config = DistributedDataParallelConfig(
@@ -208,19 +208,82 @@ class MegatronLearner:
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
 
+    # ---- Megatron's forward / backward schedule ------------------------------------------------
+    def _run_schedule(self, model: torch.nn.Module, micro: list[tuple[list[list[int]], list[int]]],
+                      on_last_stage: Callable[..., Any], *, forward_only: bool) -> None:
+        """Run micro-batches (tokens, response_lens) through megatron-core's schedule: 1F1B across the
+        pipeline stages, a plain loop at PP=1, backward included unless `forward_only`.
+
+        Every stage walks the same micro-batches (the schedule sets a later stage's input to the previous
+        stage's output); only the last stage has logits, and it calls `on_last_stage(index, logits,
+        input_ids, lengths)`, which returns the micro-batch's loss (training) or anything (forward only).
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = next(self.module.parameters()).device
+
+        def forward_step(data_iterator, model):
+            index, tokens = next(data_iterator)
+            input_ids = pad_right(tokens, device=device)
+            lengths = torch.tensor([len(t) for t in tokens], device=device)
+
+            def loss_func(logits, non_loss_data=False):
+                return on_last_stage(index, logits, input_ids, lengths)
+
+            return forward_logits(model, input_ids), loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(enumerate(t for t, _ in micro)), model=[model],
+            num_microbatches=len(micro), seq_length=max(len(row) for t, _ in micro for row in t),
+            micro_batch_size=max(len(t) for t, _ in micro), forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """`obj` as the last pipeline stage has it, on every stage (a collective over the pipeline group)."""
+        ps = _groups()
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
     # ---- dense recompute -------------------------------------------------------------------
     @torch.no_grad()
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
+        """Dense log-probs of each response (CPU fp32 rows), on every rank. Collective."""
         model = self.ref_model if ref else self.model
-        forward = lambda m, t, r: response_logprobs(  # noqa: E731
-            m, t, r, vocab_size=self.spec.vocab_size, temperature=self.temperature)[0]
-        return recompute_logprobs(model, tokens, response_lens, self.max_tokens, forward)
+        if model is None:
+            raise ValueError("reference log-probs requested but the learner was built without a reference model")
+        check_rows(tokens, response_lens)
+        groups = pack_by_tokens([len(t) for t in tokens], self.max_tokens)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
+
+        def keep(index: int, logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            rows = groups[index]
+            logp, _ = logprobs_from_logits(logits, input_ids, lengths, [response_lens[i] for i in rows],
+                                           vocab_size=self.spec.vocab_size, temperature=self.temperature)
+            for j, i in enumerate(rows):
+                out[i] = logp[j, : response_lens[i]].float().cpu()
+            return logp
+
+        was_training = model.training
+        model.eval()
+        try:
+            if groups:
+                self._run_schedule(model, [([tokens[i] for i in g], [response_lens[i] for i in g]) for g in groups],
+                                   keep, forward_only=True)
+        finally:
+            model.train(was_training)
+        return self._from_last_stage(out)
 
     # ---- update ----------------------------------------------------------------------------
-    def _microbatch_loss(self, model: torch.nn.Module, mb: TrainBatch, num_seqs: float, num_tokens: float):
-        logp, entropy = response_logprobs(
-            model, mb.tokens, mb.response_lens, vocab_size=self.spec.vocab_size, temperature=self.temperature,
-            with_entropy=self.loss_cfg.entropy_coef != 0,
+    def _policy_loss(self, logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor, mb: TrainBatch,
+                     num_seqs: float, num_tokens: float):
+        logp, entropy = logprobs_from_logits(
+            logits, input_ids, lengths, mb.response_lens, vocab_size=self.spec.vocab_size,
+            temperature=self.temperature, with_entropy=self.loss_cfg.entropy_coef != 0,
         )
         dev = logp.device
         pad = lambda xs: pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
@@ -232,75 +295,55 @@ class MegatronLearner:
         )
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step over `batch` (this rank's DP shard; the same on every TP rank)."""
+        """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
+        replica). Collective; every rank returns the same metrics."""
         num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
         micro = [batch.select(idx) for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens)]
+        if self.on_gpu and not micro:  # Megatron's DDP joins the gradient all-reduce only from its schedule
+            raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
+                             "data-parallel size (learner ranks / (--tensor-model-parallel-size x "
+                             "--pipeline-model-parallel-size))")
         lr = lr_at(self.step, self.optim)
         self.model.train()
         if self.on_gpu:
-            loss_total, per_mb, grad_norm = self._gpu_step(micro, num_seqs, num_tokens, lr)
-        else:
-            loss_total, per_mb, grad_norm = self._cpu_step(micro, num_seqs, num_tokens, lr)
-        self.step += 1
-        totals: dict[str, float] = {}
-        all_rejected = 1.0
-        for metrics in per_mb:  # normalised by the step's global counts, like the loss: they add up
-            all_rejected = min(all_rejected, float(metrics.pop("loss/all_rejected", 0.0)))
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-        return {**totals, "loss/all_rejected": all_rejected, "train/loss": loss_total, "train/grad_norm": grad_norm, "train/lr": lr}
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reported: list[dict] = []
 
-    def _cpu_step(self, micro: list[TrainBatch], num_seqs: float, num_tokens: float, lr: float):
-        self.optimizer.zero_grad(set_to_none=True)
-        loss_total, per_mb = 0.0, []
-        for mb in micro:
-            loss, metrics = self._microbatch_loss(self.model, mb, num_seqs, num_tokens)
-            loss.backward()
-            loss_total += loss.item()
-            per_mb.append(dict(metrics))
+        def loss_func(index: int, logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor):
+            loss, metrics = self._policy_loss(logits, input_ids, lengths, micro[index], num_seqs, num_tokens)
+            reported.append({**metrics, "train/loss": loss.detach()})
+            # (loss, token count, reported): with calculate_per_token_loss the schedule does not rescale it
+            return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
+
+        if micro:
+            self._run_schedule(self.model, [(mb.tokens, mb.response_lens) for mb in micro], loss_func,
+                               forward_only=False)
+        grad_norm = self._optimizer_step(lr)
+        self.step += 1
+        return {**self._from_last_stage(sum_metrics(reported)), "train/grad_norm": grad_norm, "train/lr": lr}
+
+    def _optimizer_step(self, lr: float) -> float:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.on_gpu:  # the schedule's finalize_model_grads already reduced the gradients (DP, tied embeddings)
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm if grad_norm is not None else float("nan"))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:  # every rank joins every all-reduce, whatever its micro-batches touched
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         ps = _groups()
         if ps.get_data_parallel_world_size() > 1:  # loss normalised globally: summing shard grads = full grad
-            for p in self.model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+            for p in params:
                 dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-        grad_norm = clip_grad_norm_tp(list(self.model.parameters()), self.optim.clip_grad)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        tied = self.module.shared_embedding_or_output_weight() if self.spec.tie_word_embeddings else None
+        if tied is not None and ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+            # the first and last stages each hold a copy of the tied embedding: both apply the summed gradient
+            dist.all_reduce(tied.grad, group=ps.get_embedding_group())
+        grad_norm = clip_grad_norm_tp(params, self.optim.clip_grad)
         self.optimizer.step()
-        return loss_total, per_mb, grad_norm
-
-    def _gpu_step(self, micro: list[TrainBatch], num_seqs: float, num_tokens: float, lr: float):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        if not micro:  # Megatron's schedule needs a micro-batch to join the gradient all-reduce
-            raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
-                             "data-parallel size (learner ranks / --tensor-model-parallel-size)")
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        per_mb: list[dict] = []
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            loss, metrics = self._microbatch_loss(model, mb, num_seqs, num_tokens)
-            per_mb.append(dict(metrics))
-
-            def loss_func(output):  # (loss, token count, reported) -> no rescaling (calculate_per_token_loss)
-                return output, torch.ones((), dtype=torch.int, device=output.device), {"loss": output.detach()}
-
-            return loss, loss_func
-
-        longest = max(len(t) for mb in micro for t in mb.tokens)
-        reported = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=[self.model],
-            num_microbatches=len(micro), seq_length=longest, micro_batch_size=max(len(mb) for mb in micro),
-            forward_only=False,
-        )
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        _, grad_norm, _ = self.optimizer.step()
-        loss_total = float(sum(r["loss"].item() for r in reported))
-        return loss_total, per_mb, float(grad_norm if grad_norm is not None else float("nan"))
+        return grad_norm
 
     # ---- weights & state -------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -458,13 +501,29 @@ def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> N
     embedding.word_embeddings.register_forward_hook(detach_pad_positions)
 
 
+def sum_metrics(per_microbatch: list[dict[str, Any]]) -> dict[str, float]:
+    """One step's metrics from its micro-batches'. They are normalised by the step's global counts, like the
+    loss, so they add up; `loss/all_rejected` is 1 only if every micro-batch had nothing left to train on."""
+    totals: dict[str, float] = {"loss/all_rejected": 1.0, "train/loss": 0.0}
+    for metrics in per_microbatch:
+        for k, v in metrics.items():
+            if k == "loss/all_rejected":
+                totals[k] = min(totals[k], float(v))
+            else:
+                totals[k] = totals.get(k, 0.0) + float(v)
+    return totals
+
+
 def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """Global gradient L2 norm over the model-parallel group (TP-sharded parameters counted on every rank,
-    replicated ones once), then scale gradients so the norm is at most `max_norm` (0 = no clipping)."""
+    TP-replicated ones and the last stage's copy of a tied embedding once), then scale gradients so the norm
+    is at most `max_norm` (0 = no clipping)."""
+    from megatron.core.transformer.module import param_is_not_shared
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
     ps = _groups()
-    grads = [p.grad for p in params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]
+    grads = [p.grad for p in params
+             if p.grad is not None and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)]
     sq = torch.zeros((), dtype=torch.float64)
     for g in grads:
         sq += g.detach().double().pow(2).sum().cpu()

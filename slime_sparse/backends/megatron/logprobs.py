@@ -25,7 +25,9 @@ def causal_mask(seq_len: int, device: torch.device | str) -> Tensor:
 
 
 def forward_logits(model: torch.nn.Module, input_ids: Tensor) -> Tensor:
-    """Vocab-sharded logits [B, S, V_pad / TP] of a single-stage model (positions 0..S-1)."""
+    """The model's output on right-padded rows (positions 0..S-1): vocab-sharded logits [B, S, V_pad / TP]
+    on the last pipeline stage, hidden states for the next stage elsewhere (whose input is the previous
+    stage's output, set by Megatron's schedule; `input_ids` then only gives the shapes)."""
     seq = input_ids.shape[1]
     position_ids = torch.arange(seq, device=input_ids.device)[None, :].expand_as(input_ids)
     return model(input_ids, position_ids, causal_mask(seq, input_ids.device))
@@ -83,6 +85,40 @@ def response_positions(lengths: Tensor, response_lens: Tensor, seq_len: int) -> 
     return pred, (pred + 1).clamp(max=seq_len - 1)
 
 
+def logprobs_from_logits(
+    logits: Tensor,
+    input_ids: Tensor,
+    lengths: Tensor,
+    response_lens: list[int],
+    *,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs [B, R] of each response token (and entropies [B, R] when asked) from the vocab-sharded
+    logits [B, S, V/TP] of the right-padded rows `input_ids` [B, S] of `lengths` tokens, logits / temperature.
+
+    Separate from the forward so that a pipeline's last stage can apply it to the logits the schedule
+    hands its loss function."""
+    if temperature <= 0:
+        raise ValueError(f"--rollout-temperature must be > 0, got {temperature}")
+    device = logits.device
+    pred, tgt = response_positions(lengths, torch.tensor(response_lens, device=device), input_ids.shape[1])
+    picked = torch.gather(logits, 1, pred[:, :, None].expand(-1, -1, logits.shape[-1]))
+    # mask after dividing: the mask value is the most negative float, which the division would overflow
+    scaled = mask_padded_vocab(picked.float() / temperature, vocab_size)
+    targets = torch.gather(input_ids, 1, tgt)
+    entropy = vocab_parallel_entropy(scaled) if with_entropy else None
+    logp = vocab_parallel_logprobs(scaled.clone() if with_entropy else scaled, targets)
+    mask = response_mask(response_lens, device=device)
+    return logp * mask, (entropy * mask if entropy is not None else None)
+
+
+def check_rows(tokens: list[list[int]], response_lens: list[int]) -> None:
+    if any(r < 1 for r in response_lens) or any(r >= len(t) for r, t in zip(response_lens, tokens)):
+        raise ValueError("every response_lens[i] must be >= 1 and < len(tokens[i]) (a prompt token comes first)")
+
+
 def response_logprobs(
     model: torch.nn.Module,
     tokens: list[list[int]],
@@ -92,22 +128,10 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs [B, R] of each response token (and entropies [B, R] when asked), logits / temperature."""
-    if temperature <= 0:
-        raise ValueError(f"--rollout-temperature must be > 0, got {temperature}")
-    if any(r < 1 for r in response_lens) or any(r >= len(t) for r, t in zip(response_lens, tokens)):
-        raise ValueError("every response_lens[i] must be >= 1 and < len(tokens[i]) (a prompt token comes first)")
+    """Log-probs [B, R] of each response token (and entropies [B, R] when asked) of a single-stage model."""
+    check_rows(tokens, response_lens)
     device = next(model.parameters()).device
     input_ids = pad_right(tokens, device=device)
     lengths = torch.tensor([len(t) for t in tokens], device=device)
-    rlens = torch.tensor(response_lens, device=device)
-    logits = forward_logits(model, input_ids)  # [B, S, V/TP]
-    pred, tgt = response_positions(lengths, rlens, input_ids.shape[1])
-    picked = torch.gather(logits, 1, pred[:, :, None].expand(-1, -1, logits.shape[-1]))
-    # mask after dividing: the mask value is the most negative float, which the division would overflow
-    scaled = mask_padded_vocab(picked.float() / temperature, vocab_size)
-    targets = torch.gather(input_ids, 1, tgt)
-    entropy = vocab_parallel_entropy(scaled) if with_entropy else None
-    logp = vocab_parallel_logprobs(scaled.clone() if with_entropy else scaled, targets)
-    mask = response_mask(response_lens, device=device)
-    return logp * mask, (entropy * mask if entropy is not None else None)
+    return logprobs_from_logits(forward_logits(model, input_ids), input_ids, lengths, response_lens,
+                                vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy)

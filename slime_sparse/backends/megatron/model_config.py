@@ -146,7 +146,7 @@ def transformer_config(
     if spec.num_layers % pp_size:
         raise ValueError(f"--pipeline-model-parallel-size={pp_size} must divide num_hidden_layers={spec.num_layers}")
     on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -177,6 +177,10 @@ def transformer_config(
         persist_layer_norm=False,
         recompute_granularity="selective" if recompute_activations else None,
     )
+    # Micro-batches are padded to their own longest row, so pipeline stages exchange shapes first. Set after
+    # __post_init__, whose check against MoE's allgather dispatcher (its default) does not apply to dense models.
+    config.variable_seq_lengths = True
+    return config
 
 
 def layer_spec(spec: ModelSpec, use_te: bool | None = None):
