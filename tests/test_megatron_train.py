@@ -6,7 +6,7 @@ every update agrees to float tolerance; a resumed run is bit-identical to an uni
 
 - one process (TP=1, world 1): metrics, checkpoints in the utils.checkpoint layout with an HF-loadable
   model/, exact resume, clear errors for checkpoints it cannot resume from;
-- Ray (2 learner ranks at TP=2, and at PP=2; 1 engine): the same recipe end to end, weights synced by broadcast and then
+- Ray (2 learner ranks at TP=2, and at PP=2; 4 at TP=2 x DP=2; 1 engine): the same recipe end to end, weights synced by broadcast and then
   through the object store, resumed from its collective checkpoint.
 
 The recipe's model is untrained, so its task reward would be 0 everywhere (zero advantages, a zero policy
@@ -35,9 +35,10 @@ from slime_sparse.utils.checkpoint import latest_checkpoint, list_checkpoints  #
 pytestmark = pytest.mark.megatron
 
 MEGATRON = ["--train-backend", "megatron"]
-RAY_2RANKS = ["--use-ray", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus", "1", "--ray-cpus-per-actor", "0.2", "--ray-timeout", "120",
-           "--update-weight-buffer-size", "16384"]
-RAY_LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"], "pp2": ["--pipeline-model-parallel-size", "2"]}
+RAY = ["--use-ray", "--rollout-num-gpus", "1", "--ray-cpus-per-actor", "0.2", "--ray-timeout", "120",
+       "--update-weight-buffer-size", "16384"]
+# learner ranks, TP, PP (DP = ranks / (TP x PP))
+RAY_LAYOUTS = {"tp2": (2, 2, 1), "pp2": (2, 1, 2), "tp2_dp2": (4, 2, 1)}
 # metrics that depend on the learner (recompute, loss, update); the rollout's own must be equal
 LEARNER_METRICS = ("train/loss", "train/grad_norm", "kl_loss", "ppo_kl", "mismatch/k3", "correction/xi_mean")
 ROLLOUT_METRICS = ("rollout/reward_mean", "rollout/response_len_mean", "kv/savings")
@@ -179,9 +180,11 @@ def local_ray():
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(RAY_LAYOUTS))
-def test_two_ranks_on_ray_match_embedded_and_resume(local_ray, assets, embedded_run, tmp_path, layout):
+def test_ray_layouts_match_embedded_and_resume(local_ray, assets, embedded_run, tmp_path, layout):
+    ranks, tp, pp = RAY_LAYOUTS[layout]
     run = tmp_path / "ray"
-    ray_args = [*MEGATRON, *RAY_2RANKS, *RAY_LAYOUTS[layout]]
+    ray_args = [*MEGATRON, *RAY, "--actor-num-gpus-per-node", str(ranks), "--tensor-model-parallel-size", str(tp),
+                "--pipeline-model-parallel-size", str(pp)]
     assert main(args(assets, run, 2, *ray_args)) == 0  # weights to the engine by broadcast
     # resumed by the same command; weights now handed over through the object store
     assert main(args(assets, run, 3, *ray_args, "--update-weight-mode", "tensor")) == 0
@@ -192,10 +195,10 @@ def test_two_ranks_on_ray_match_embedded_and_resume(local_ray, assets, embedded_
     # the collective checkpoint: one optimizer and RNG file per rank, committed once by rank 0
     path = checkpoint(run, 3)
     assert latest_checkpoint(str(run / "checkpoints")) == str(path)
-    assert sorted(os.listdir(path / "optim")) == sorted(os.listdir(path / "rng")) == ["rank00000.pt", "rank00001.pt"]
+    rank_files = [f"rank{r:05d}.pt" for r in range(ranks)]
+    assert sorted(os.listdir(path / "optim")) == sorted(os.listdir(path / "rng")) == rank_files
     saved = trainer_state(run, 3)["extra"]["megatron_layout"]
-    tp_pp = (saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"])
-    assert (saved["world_size"], tp_pp) == (2, (2, 1) if layout == "tp2" else (1, 2))
+    assert (saved["world_size"], saved["tensor_model_parallel_size"], saved["pipeline_model_parallel_size"]) == (ranks, tp, pp)
     assert trainer_state(run, 3)["data_state"] == trainer_state(embedded_run, 3)["data_state"]
     # a resume without the optimizer moments would move the weights elsewhere (Adam's first steps are ~lr)
     assert_weights_close(weights(run, 3), weights(embedded_run, 3))
