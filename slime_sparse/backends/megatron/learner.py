@@ -209,9 +209,9 @@ class MegatronLearner:
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
 
     # ---- Megatron's forward / backward schedule ------------------------------------------------
-    def _run_schedule(self, model: torch.nn.Module, micro: list[tuple[list[list[int]], list[int]]],
+    def _run_schedule(self, model: torch.nn.Module, micro: list[list[list[int]]],
                       on_last_stage: Callable[..., Any], *, forward_only: bool) -> None:
-        """Run micro-batches (tokens, response_lens) through megatron-core's schedule: 1F1B across the
+        """Run micro-batches (token rows each) through megatron-core's schedule: 1F1B across the
         pipeline stages, a plain loop at PP=1, backward included unless `forward_only`.
 
         Every stage walks the same micro-batches (the schedule sets a later stage's input to the previous
@@ -233,9 +233,9 @@ class MegatronLearner:
             return forward_logits(model, input_ids), loss_func
 
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(enumerate(t for t, _ in micro)), model=[model],
-            num_microbatches=len(micro), seq_length=max(len(row) for t, _ in micro for row in t),
-            micro_batch_size=max(len(t) for t, _ in micro), forward_only=forward_only,
+            forward_step_func=forward_step, data_iterator=iter(enumerate(micro)), model=[model],
+            num_microbatches=len(micro), seq_length=max(len(row) for rows in micro for row in rows),
+            micro_batch_size=max(len(rows) for rows in micro), forward_only=forward_only,
             collect_non_loss_data=forward_only,
         )
 
@@ -272,8 +272,7 @@ class MegatronLearner:
         model.eval()
         try:
             if groups:
-                self._run_schedule(model, [([tokens[i] for i in g], [response_lens[i] for i in g]) for g in groups],
-                                   keep, forward_only=True)
+                self._run_schedule(model, [[tokens[i] for i in g] for g in groups], keep, forward_only=True)
         finally:
             model.train(was_training)
         return self._from_last_stage(out)
@@ -317,8 +316,7 @@ class MegatronLearner:
             return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
 
         if micro:
-            self._run_schedule(self.model, [(mb.tokens, mb.response_lens) for mb in micro], loss_func,
-                               forward_only=False)
+            self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False)
         grad_norm = self._optimizer_step(lr)
         self.step += 1
         return {**self._from_last_stage(sum_metrics(reported)), "train/grad_norm": grad_norm, "train/lr": lr}
