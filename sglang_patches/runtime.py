@@ -31,6 +31,7 @@ from .compaction import (
     write_decode_queries,
     write_extend_queries,
 )
+from .settings import DENSE_REQUEST_PARAM
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ KEPT_INFO_KEY = "sparse_kv_kept"  # key in Req.customized_info -> meta_info: cac
 
 def evicted_count(req: Any) -> int:
     return getattr(req, EVICTED_ATTR, 0)
+
+
+def wants_dense(req: Any) -> bool:
+    """The request opted out of compression (settings.DENSE_REQUEST_PARAM in its sampling_params.custom_params)."""
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return isinstance(custom, dict) and bool(custom.get(DENSE_REQUEST_PARAM, False))
 
 
 @dataclass
@@ -113,7 +120,8 @@ class SparseKVRuntime:
     # ScheduleBatch.prepare_for_decode: compaction before the next slot is allocated
     # ---------------------------------------------------------------------------------------------------------
     def compact_batch(self, batch: Any) -> int:
-        """Compress every request of a decode batch whose cache reached budget + buffer; return how many.
+        """Compress every request of a decode batch whose cache reached budget + buffer (except those that asked
+        to stay dense); return how many.
 
         For each: score the cached tokens (keys from the KV pool, queries from the rings), move the kept slots to
         the front of its req_to_token row, free the others through the allocator, and shrink seq_lens,
@@ -127,7 +135,7 @@ class SparseKVRuntime:
         compressed = 0
         for i, req in enumerate(batch.reqs):
             length = int(seq_lens_cpu[i])
-            if not should_compress(length, self.cfg, first_decode=len(req.output_ids) == 1):
+            if wants_dense(req) or not should_compress(length, self.cfg, first_decode=len(req.output_ids) == 1):
                 continue
             if req.kv_committed_len != length or req.kv_allocated_len != length:
                 raise RuntimeError(

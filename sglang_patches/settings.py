@@ -3,7 +3,7 @@
 SGLang's ServerArgs rejects unknown flags, and its scheduler processes are spawned from the launching process,
 inheriting its environment. So the launcher (slime_sparse.rollout.sglang) serialises a KVCompressConfig into
 `SLIME_SPARSE_KV_CONFIG`, and the plugin reads it back in every process. Unset (or method "none") = the plugin
-registers no hook and SGLang runs unpatched.
+registers no hook and SGLang runs unpatched. A single request can still ask to stay dense (DENSE_REQUEST_PARAM).
 """
 from __future__ import annotations
 
@@ -15,6 +15,11 @@ from collections.abc import Mapping
 from slime_sparse.kv import KVCompressConfig
 
 ENV_VAR = "SLIME_SPARSE_KV_CONFIG"
+# Per-request opt-out, in /generate's sampling_params.custom_params (SGLang hands that dict to the scheduler as
+# Req.sampling_params.custom_params): {DENSE_REQUEST_PARAM: true} keeps the request's whole cache, so a compressing
+# server can also serve dense evaluation. Other KV configs cannot change per request: the query rings and the
+# trigger are sized by the start-up config.
+DENSE_REQUEST_PARAM = "slime_sparse_dense"
 
 # Why only "model": SGLang's req_to_token row maps each logical token of a request to ONE slot index that every
 # layer's K/V buffer and every head use (the attention kernels read one page table per request). Compacting that

@@ -69,21 +69,26 @@ def build_engine(cfg: RunConfig, kv=None, model: torch.nn.Module | None = None):
 
 
 def build_sglang_engine(cfg: RunConfig, kv):
-    """Patched SGLang servers (GPU only; see sglang_patches/README.md) fed by NCCL broadcast from this process."""
+    """Patched SGLang servers (see sglang_patches/README.md), launched on this machine's GPUs or attached with
+    --sglang-server-urls, fed by broadcast from this process: they join one process group with it."""
     import dataclasses
     import os
     import socket
     from pathlib import Path
 
+    from slime_sparse.backends.embedded.learner import resolve_device
     from slime_sparse.rollout.sglang import DistributedWeightSync, SGLangRolloutEngine
 
     sg = dataclasses.replace(cfg.sglang, model_path=cfg.train.hf_checkpoint)
-    sync = DistributedWeightSync(bucket_bytes=cfg.cluster.update_weight_buffer_size)
-    engine = SGLangRolloutEngine.launch(sg, kv, Path(cfg.log.run_dir) / "sglang_logs", weight_sync=sync)
-    with socket.socket() as sock:  # a free port for the weight-update group's rendezvous
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    sync.init(engine.clients, os.environ.get("MASTER_ADDR", socket.gethostbyname(socket.gethostname())), port)
+    sync = DistributedWeightSync(bucket_bytes=cfg.cluster.update_weight_buffer_size, timeout_s=sg.request_timeout_s)
+    engine = SGLangRolloutEngine.from_config(sg, kv, Path(cfg.log.run_dir) / "sglang_logs", weight_sync=sync)
+    try:
+        # the servers connect back to this address; NCCL when the learner's weights are on a GPU
+        address = os.environ.get("MASTER_ADDR", socket.gethostbyname(socket.gethostname()))
+        sync.init(engine.clients, address, "nccl" if resolve_device(cfg.train.device).type == "cuda" else "gloo")
+    except BaseException:
+        engine.close()
+        raise
     return engine
 
 
@@ -110,7 +115,8 @@ class Components:
             from slime_sparse.kv.config import KVCompressConfig
 
             kv = KVCompressConfig(method="none")
-            if self.ray is not None:  # the same engine actors, generating under another KV config
+            if self.ray is not None or self.cfg.rollout.engine == "sglang":
+                # the same engine actors / servers, generating under another KV config (SGLang: per request)
                 self._eval_engines[mode] = self.engine.with_kv(kv)
             else:
                 self._eval_engines[mode] = build_engine(self.cfg, kv=kv, model=getattr(self.engine, "model", None))

@@ -30,6 +30,7 @@ from sglang_patches.compaction import (
     write_extend_queries,
 )
 from sglang_patches.runtime import EVICTED_ATTR, KEPT_INFO_KEY, SparseKVRuntime, evicted_count, reset_request
+from sglang_patches.settings import DENSE_REQUEST_PARAM
 from slime_sparse.kv import KVCompressConfig, compress_indices
 
 L, HQ, HKV, D = 2, 4, 2, 8  # layers, query heads, KV heads, head dim
@@ -196,8 +197,11 @@ class Expected:
 
 
 class MiniScheduler:
-    def __init__(self, cfg: KVCompressConfig, pools, tables: Tables, prompt_lens: list[int]):
-        self.cfg, self.tables = cfg, tables
+    """dense: indices of requests sent with the per-request opt-out (custom_params), never compressed."""
+
+    def __init__(self, cfg: KVCompressConfig, pools, tables: Tables, prompt_lens: list[int],
+                 dense: frozenset[int] = frozenset()):
+        self.cfg, self.tables, self.dense = cfg, tables, dense
         self.req_to_token_pool, self.kv_pool, self.allocator = pools
         self.runtime = SparseKVRuntime.allocate(
             cfg, self.req_to_token_pool, self.kv_pool, self.allocator, num_q_heads=HQ, dtype=torch.float32
@@ -205,7 +209,10 @@ class MiniScheduler:
         self.size = self.allocator.available_size()
         self.reqs = [
             SimpleNamespace(rid=f"r{i}", origin_input_ids=list(range(n)), output_ids=[], req_pool_idx=i + 1,
-                            kv_committed_len=0, kv_allocated_len=0, customized_info=None)
+                            kv_committed_len=0, kv_allocated_len=0, customized_info=None,
+                            # as Req.__init__ stores /generate's custom_params (it adds "__req__")
+                            sampling_params=SimpleNamespace(custom_params=(
+                                {DENSE_REQUEST_PARAM: True, "__req__": None} if i in dense else None)))
             for i, n in enumerate(prompt_lens)
         ]
         self.expected = Expected([list(range(n)) for n in prompt_lens])
@@ -278,7 +285,7 @@ class MiniScheduler:
     def _expect_compaction(self, lens_before: torch.Tensor) -> None:
         """Independent reference: the same selection on the test's own tables and logical token lists."""
         for i, n in enumerate(lens_before.tolist()):
-            if not should_compress(n, self.cfg, first_decode=len(self.reqs[i].output_ids) == 1):
+            if i in self.dense or not should_compress(n, self.cfg, first_decode=len(self.reqs[i].output_ids) == 1):
                 continue
             held = torch.tensor(self.expected.logical[i])
             total = int(held[-1]) + 1
@@ -395,3 +402,24 @@ def test_reset_request_and_runtime_reset():
     sched.runtime.reset()
     assert all(buf.eq(0).all() for buf in sched.runtime.q_buffers)
     assert sched.runtime.counters.compressions == 0
+
+
+@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+def test_a_request_that_opts_out_keeps_its_whole_cache_beside_compressed_ones(cfg):
+    """Dense evaluation on a compressing server: the flagged request is never compacted, its neighbour in the same
+    batch is, and the pool stays consistent for both."""
+    prompt_lens = [23, 23]
+    sched = MiniScheduler(cfg, replica_pools(rows=3, size=160), Tables.random(2, seed=5), prompt_lens, dense={1})
+    sched.prefill()
+    for _ in range(20):
+        sched.decode_step()
+        sched.check_invariants()
+    sparse, dense = sched.reqs
+    total = 23 + 20
+    assert dense.kv_committed_len == total and evicted_count(dense) == 0
+    assert sched.expected.logical[1] == list(range(total))  # every token kept, in order
+    assert sched.positions_seen[1] == list(range(23, total))
+    assert dense.customized_info[KEPT_INFO_KEY] == list(range(23, total + 1))[: len(dense.output_ids)]
+    assert evicted_count(sparse) > 0 and sparse.kv_committed_len <= cfg.budget + cfg.buffer
+    sched.finish_all()
+    assert sched.allocator.available_size() == sched.size

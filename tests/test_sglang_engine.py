@@ -1,113 +1,52 @@
-"""SGLang rollout engine against a fake SGLang HTTP server on 127.0.0.1 (bounded: it stops with the test).
-
-The fake answers in the pinned SGLang's wire format (sglang_patches.contract checks the real one): /generate with
-output_ids and meta_info.output_token_logprobs entries [logprob, token_id, null], finish_reason {"type": ...},
-and the plugin's per-token meta_info["sparse_kv_kept"]; control endpoints record the order they were called in.
+"""SGLang rollout engine against fake SGLang HTTP servers on 127.0.0.1 (tests/sglang_fakes.py; they stop with the
+test). The fakes answer in the pinned SGLang's wire format (sglang_patches.contract checks the real one) and record
+every call, so the order of control calls and the exact requests are checked here.
 """
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from sglang_fakes import FakeSGLang
 
+from sglang_patches.settings import DENSE_REQUEST_PARAM
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.rollout.sglang import (
-    DistributedWeightSync,
+    SGLangClient,
     SGLangEngineConfig,
     SGLangHTTPError,
     SGLangRolloutEngine,
+    ServerGroup,
+    TensorWeightSync,
     budgeted_cache_flags,
     kv_stats_from_kept,
     server_command,
     server_env,
     split_passthrough,
 )
+from slime_sparse.rollout.sglang.launch import wait_port_free
 
 KV = KVCompressConfig(method="rkv", budget=6, buffer=2, window=2, granularity="model")
-
-
-def fake_generation(input_ids: list[int], sp: dict, with_kept: bool) -> dict:
-    """Deterministic stand-in for SGLang: token t_i = (sum(prompt) + seed + i) % 50, budgeted cache B=6, b=2."""
-    n = sp["max_new_tokens"]
-    base = sum(input_ids) + sp.get("sampling_seed", 0) % 1000
-    out = [(base + i) % 50 for i in range(n)]
-    meta = {
-        "id": "x",
-        "finish_reason": {"type": "length", "length": n},
-        "prompt_tokens": len(input_ids),
-        "completion_tokens": n,
-        "output_token_logprobs": [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)],
-    }
-    if with_kept and n > 1:
-        kept, cache = [len(input_ids)], len(input_ids)
-        for _ in range(n - 1):
-            cache = 6 if cache >= 8 else cache
-            cache += 1
-            kept.append(cache)
-        meta["sparse_kv_kept"] = kept
-    return {"output_ids": out, "meta_info": meta}
-
-
-class FakeSGLang:
-    def __init__(self, with_kept: bool = True):
-        self.calls: list[str] = []
-        self.requests: list[dict] = []
-        self.with_kept = with_kept
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # keep pytest output clean
-                pass
-
-            def _reply(self, obj, code=200):
-                body = json.dumps(obj).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_GET(self):
-                fake.calls.append(self.path)
-                self._reply({})
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                payload = json.loads(self.rfile.read(length) or b"{}")
-                fake.calls.append(self.path)
-                fake.requests.append({"path": self.path, **payload})
-                if self.path == "/generate":
-                    self._reply(fake_generation(payload["input_ids"], payload["sampling_params"], fake.with_kept))
-                elif self.path.startswith("/update_weights") or self.path == "/init_weights_update_group":
-                    self._reply({"success": True, "message": "ok"})
-                elif self.path == "/fail":
-                    self._reply({"error": "nope"}, code=400)
-                else:
-                    self._reply({"status": "ok"})
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.timeout = 5
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
+DENSE = KVCompressConfig(method="none")
 
 
 @pytest.fixture
 def fake():
     with FakeSGLang() as server:
         yield server
+
+
+def expected_tokens(prompt: list[int], seed: int, index: int, n: int) -> list[int]:
+    """The fake's tokens for sample `index` of a call seeded `seed` (re-derived from its formula)."""
+    base = sum(prompt) + derive_seed(seed, index) % 1000
+    return [(base + k) % 50 for k in range(n)]
 
 
 def test_generate_returns_tokens_logprobs_and_kv_accounting_in_order(fake):
@@ -117,8 +56,7 @@ def test_generate_returns_tokens_logprobs_and_kv_accounting_in_order(fake):
     outs = engine.generate(prompts, params, seed=11)
     assert [o.prompt_ids for o in outs] == prompts
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        base = sum(prompt) + derive_seed(11, i) % 1000
-        assert out.response_ids == [(base + k) % 50 for k in range(5)]
+        assert out.response_ids == expected_tokens(prompt, 11, i, 5)
         assert out.logprobs == pytest.approx([-0.1 * (k + 1) for k in range(5)])
         assert out.finish_reason == "length" and out.weight_version == 0
     # request format: token ids, return_logprob, per-sample seed, stop ids
@@ -127,8 +65,50 @@ def test_generate_returns_tokens_logprobs_and_kv_accounting_in_order(fake):
     by_prompt = {tuple(r["input_ids"]): r["sampling_params"] for r in sent}
     assert by_prompt[(1, 2, 3)]["sampling_seed"] == derive_seed(11, 0)
     assert by_prompt[(7,)]["stop_token_ids"] == [9] and by_prompt[(7,)]["top_k"] == -1
+    assert all("custom_params" not in sp for sp in by_prompt.values())  # the servers' own KV config
     # KV from meta_info: prompt [1, 2, 3] reads caches 3, 4, 5, 6, 7; the fake compresses 8 -> 6 only later
     assert outs[0].kv.dense_kv_tokens == 3 + 4 + 5 + 6 + 7 == outs[0].kv.kept_kv_tokens
+
+
+def test_index_offset_gives_the_seeds_of_the_whole_call(fake):
+    """A shard [2, 4) of a call seeded 5 draws exactly what samples 2 and 3 of the whole call draw."""
+    engine = SGLangRolloutEngine([fake.url], KV, timeout_s=10)
+    prompts = [[3, 1], [4, 1, 5], [9], [2, 6]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4)
+    whole = engine.generate(prompts, params, seed=5)
+    shard = engine.generate(prompts[2:], params, seed=5, index_offset=2)
+    assert [o.response_ids for o in shard] == [o.response_ids for o in whole[2:]]
+    assert shard[1].response_ids == expected_tokens(prompts[3], 5, 3, 4)
+
+
+def test_attached_servers_share_the_requests_in_turn():
+    with FakeSGLang() as a, FakeSGLang() as b:
+        cfg = SGLangEngineConfig(server_urls=(a.url, b.url), request_timeout_s=10)
+        engine = SGLangRolloutEngine.from_config(cfg, KV, log_dir=None)
+        prompts = [[i + 1] for i in range(5)]
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=2), seed=1)
+        assert [o.prompt_ids for o in outs] == prompts
+        assert sorted(r["input_ids"][0] for r in a.requests) == [1, 3, 5]  # requests 0, 2, 4
+        assert sorted(r["input_ids"][0] for r in b.requests) == [2, 4]
+        engine.close()  # attached servers keep running
+        assert SGLangClient(a.url, timeout_s=5).health()
+
+
+def test_dense_evaluation_is_a_per_request_opt_out(fake):
+    engine = SGLangRolloutEngine([fake.url], KV, timeout_s=10)
+    view = engine.with_kv(DENSE)
+    outs = view.generate([[1, 2]], SamplingParams(max_new_tokens=3), seed=3)
+    (req,) = [r for r in fake.requests if r["path"] == "/generate"]
+    assert req["sampling_params"]["custom_params"] == {DENSE_REQUEST_PARAM: True}
+    assert outs[0].weight_version == view.weight_version == 0
+    assert engine.with_kv(KV).engine is engine and engine.request_params(KV) is None  # its own config: no field
+    other = KVCompressConfig(method="snapkv", budget=10, buffer=2, window=2, granularity="model")
+    with pytest.raises(ValueError, match="--kv-method=snapkv"):
+        engine.with_kv(other)
+    dense_server = SGLangRolloutEngine([fake.url], None, timeout_s=10)
+    assert dense_server.request_params(DENSE) is None  # nothing to opt out of
+    with pytest.raises(ValueError, match="--kv-method=rkv"):
+        dense_server.with_kv(KV)
 
 
 def test_kv_stats_from_kept_counts_compressions_and_savings():
@@ -152,30 +132,61 @@ def test_engine_refuses_a_server_without_the_plugin():
         assert out.kv.kept_kv_tokens == out.kv.dense_kv_tokens == 2 + 3 + 4
 
 
-def test_update_weights_pauses_pushes_flushes_and_continues(fake):
-    sent: list[torch.Tensor] = []
-    sync = DistributedWeightSync(bucket_bytes=3 * 4, broadcast=lambda t: sent.append(t.clone()))
-    engine = SGLangRolloutEngine([fake.url], KV, weight_sync=sync, timeout_s=10)
-    state = {"a": torch.ones(2), "b": torch.zeros(2, 1), "c": torch.arange(3, dtype=torch.float32)}
+def test_tensor_update_pauses_loads_flushes_and_continues(fake):
+    engine = SGLangRolloutEngine([fake.url], KV, weight_sync=TensorWeightSync(bucket_bytes=20), timeout_s=10)
+    big = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"a": torch.ones(2), "b": big[:, 1],  # a strided view: only its own 3 values may travel
+             "c": torch.tensor([1.5, -2.0, 3.25], dtype=torch.bfloat16)}
+    fake.flush_refusals = 1  # SGLang refuses a flush while aborted requests drain: the client retries
     engine.update_weights(state)
     assert engine.weight_version == 1
-    assert fake.calls[0] == "/pause_generation" and fake.calls[-2:] == ["/flush_cache", "/continue_generation"]
-    updates = [r for r in fake.requests if r["path"] == "/update_weights_from_distributed"]
-    # 12-byte buckets: a + b = 16 bytes -> split, so three announcements
-    assert [u["names"] for u in updates] == [["a"], ["b"], ["c"]]
-    assert updates[1]["shapes"] == [[2, 1]] and updates[2]["dtypes"] == ["float32"]
+    updates = [r for r in fake.requests if r["path"] == "/update_weights_from_tensor"]
+    assert len(updates) == 2  # 20-byte buckets: a (8 bytes) + b (12) fill one, c (6) opens the next
     assert all(u["weight_version"] == "1" and u["flush_cache"] is False for u in updates)
-    assert [t.tolist() for t in sent] == [[1.0, 1.0], [[0.0], [0.0]], [0.0, 1.0, 2.0]]
+    assert fake.calls[0] == "/pause_generation" and fake.calls[-3:] == ["/flush_cache"] * 2 + ["/continue_generation"]
     assert next(r for r in fake.requests if r["path"] == "/pause_generation")["mode"] == "retract"
-    outs = engine.generate([[1]], SamplingParams(max_new_tokens=2))
-    assert outs[0].weight_version == 1
+    for name, t in state.items():
+        assert torch.equal(fake.weights[name], t) and fake.weights[name].dtype == t.dtype
+    assert fake.weights["b"].untyped_storage().nbytes() == 3 * 4
+    # the server now reports version "1", which the engine expects from here on
+    assert engine.generate([[1]], SamplingParams(max_new_tokens=2))[0].weight_version == 1
+
+
+def test_a_server_that_missed_an_update_is_refused(fake):
+    class Dropped:
+        def push(self, clients, state_dict, version):  # loses the weights: the server keeps "default"
+            pass
+
+    engine = SGLangRolloutEngine([fake.url], KV, weight_sync=Dropped(), timeout_s=10)
+    engine.update_weights({"a": torch.ones(1)})
+    with pytest.raises(SGLangHTTPError, match="weight version 'default'.*holds 1"):
+        engine.generate([[1]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match="not newer"):
+        engine.update_weights({"a": torch.ones(1)}, version=1)
+
+
+def test_a_failed_load_still_resumes_generation_and_keeps_the_version(fake):
+    class Broken:
+        def push(self, clients, state_dict, version):
+            raise RuntimeError("broadcast lost")
+
+    engine = SGLangRolloutEngine([fake.url], KV, weight_sync=Broken(), timeout_s=10)
+    with pytest.raises(RuntimeError, match="broadcast lost"):
+        engine.update_weights({"a": torch.ones(1)})
+    assert fake.calls == ["/pause_generation", "/continue_generation"]  # no flush of half-loaded weights
+    assert engine.weight_version == 0
+
+
+def test_flush_gives_up_with_the_servers_answer(fake):
+    fake.flush_refusals = 5
+    with pytest.raises(SGLangHTTPError, match="/flush_cache -> HTTP 400.*pending requests"):
+        SGLangClient(fake.url, timeout_s=5).flush_cache(attempts=3, wait_s=0.01)
 
 
 def test_http_errors_are_raised_with_the_path(fake):
-    from slime_sparse.rollout.sglang import SGLangClient
-
-    with pytest.raises(SGLangHTTPError, match="/fail -> HTTP 400"):
-        SGLangClient(fake.url, timeout_s=5).post("/fail")
+    with pytest.raises(SGLangHTTPError, match="/update_weights_from_distributed -> HTTP 400.*flattened buckets only"):
+        SGLangClient(fake.url, timeout_s=5).update_weights_from_distributed(["a"], ["float32"], [[1]], "g", "1",
+                                                                           load_format=None)
     assert SGLangClient(fake.url, timeout_s=5).health()
 
 
@@ -209,11 +220,84 @@ def test_passthrough_flags(tmp_path):
     data.write_text('{"prompt": "1 2=", "label": "3"}\n')
     argv = ["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--lr", "1e-6",
             "--sglang-num-servers", "2", "--sglang-max-total-tokens", "8192",
-            "--sglang-enable-metrics", "--sglang-log-level=warning", "--sglang-gpu-ids", "4,5"]
+            "--sglang-enable-metrics", "--sglang-log-level=warning", "--sglang-gpu-ids", "4,5",
+            "--sglang-server-urls", "http://a:1,http://b:2"]
     cfg = load_config(argv).sglang
     assert cfg.extra_args == ("--max-total-tokens", "8192", "--enable-metrics", "--log-level=warning")
     assert cfg.num_servers == 2 and cfg.router_enabled and cfg.gpu_ids == (4, 5)
+    assert cfg.server_urls == ("http://a:1", "http://b:2") and cfg.attached
     kept, passthrough = split_passthrough(["--lr", "1", "--sglang-x", "--sglang-y", "2"], {"--lr"})
     assert kept == ["--lr", "1"] and passthrough == ["--x", "--y", "2"]
     with pytest.raises(ValueError, match="--sglang-num-servers"):
         SGLangEngineConfig(model_path="/m", num_servers=0).validate()
+    for urls in (("a:1",), ("http://a:1", "http://a:1")):
+        with pytest.raises(ValueError, match="--sglang-server-urls"):
+            SGLangEngineConfig(server_urls=urls).validate()
+    with pytest.raises(ValueError, match="nothing to launch"):
+        ServerGroup.launch(SGLangEngineConfig(model_path="/m", server_urls=("http://a:1",)), KV, tmp_path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the parent-death signal and /proc are Linux's")
+def test_launched_servers_die_with_their_launcher(tmp_path):
+    """A Ray engine actor that dies must not leave servers holding its GPU: the launcher's children get SIGTERM."""
+    script = (
+        "import sys, os\n"
+        "from pathlib import Path\n"
+        "from slime_sparse.rollout.sglang.launch import ManagedProcess\n"
+        "p = ManagedProcess.start('sleeper', [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ),"
+        f" Path({str(tmp_path)!r}))\n"
+        "print(p.process.pid, flush=True)\n"
+        "os._exit(0)\n"  # dies without stopping its child
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    child = int(done.stdout.split()[0])
+    deadline = time.monotonic() + 20
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"  # a zombie is dead, only not yet reaped
+    except FileNotFoundError:
+        return False
+
+
+def test_wait_port_free_waits_for_a_listener_to_go():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(TimeoutError, match=f"port {port}"):
+            wait_port_free("127.0.0.1", port, timeout_s=0.3, poll_s=0.1)
+    wait_port_free("127.0.0.1", port, timeout_s=5)  # closed: returns at once
+
+
+
+def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
+    """Without Ray: --sglang-server-urls attaches (nothing launched), the servers join this process's weight group,
+    and dense evaluation reuses them per request instead of starting a second server set."""
+    from slime_sparse.components import Components, build_engine
+    from slime_sparse.config import load_config
+    from slime_sparse.rollout.sglang import SGLangKVView
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
+    with FakeSGLang() as fake:
+        cfg = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--device", "cpu",
+                           "--rollout-engine", "sglang", "--sglang-server-urls", fake.url, "--kv-method", "rkv",
+                           "--kv-budget", "6", "--kv-buffer", "2", "--kv-window", "2", "--kv-granularity", "model"])
+        engine = build_engine(cfg)
+        (joined,) = fake.joined
+        assert (joined["world_size"], joined["rank_offset"], joined["backend"]) == (2, 1, "gloo")
+        comp = Components(cfg=cfg, tokenizer=None, stream=None, reward_fn=None, learner=None, engine=engine)
+        view = comp.eval_engine("dense")
+        assert isinstance(view, SGLangKVView) and view.engine is engine and comp.eval_engine("sparse") is engine
+        weights = {"w": torch.randn(3, 2)}
+        engine.update_weights(weights)
+        assert torch.equal(fake.weights["w"], weights["w"]) and view.weight_version == 1
+        view.generate([[1, 2]], SamplingParams(max_new_tokens=2), seed=0)
+        assert fake.requests[-1]["sampling_params"]["custom_params"] == {DENSE_REQUEST_PARAM: True}
+        comp.close()

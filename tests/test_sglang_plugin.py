@@ -250,3 +250,28 @@ def test_sglang_hook_registry_applies_every_hook(monkeypatch):
     with pytest.raises(SparseKVPreconditionError, match="were not applied"):
         hooks.verify_hooks_applied()
     HookRegistry._patched.add(HOOKS[0].target)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_dense_opt_out_reaches_sglangs_own_request_object():
+    """/generate's custom_params -> SamplingParams -> msgpack IPC to the scheduler -> Req: what wants_dense reads."""
+    from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
+
+    activate_cpu_import_env(prepare_cpu_import_env())
+    import msgspec
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    from sglang_patches.runtime import wants_dense
+    from sglang_patches.settings import DENSE_REQUEST_PARAM
+    from slime_sparse.rollout.sglang.client import dense_request_params, sampling_payload
+    from slime_sparse.rollout.sampling import SamplingParams as OurParams
+
+    sent = json.loads(json.dumps(sampling_payload(OurParams(max_new_tokens=4), 7, dense_request_params())))
+    params = SamplingParams(**sent)
+    params = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)  # tokenizer -> scheduler
+    req = Req("r", "", [1, 2, 3], params)
+    assert req.sampling_params.custom_params[DENSE_REQUEST_PARAM] is True and wants_dense(req)
+    plain = Req("p", "", [1, 2, 3], SamplingParams(**json.loads(json.dumps(sampling_payload(OurParams(), 7)))))
+    assert not wants_dense(plain)

@@ -57,7 +57,7 @@ def run(model: Path, kv: KVCompressConfig | None, cuda_graph: bool, log_dir: Pat
             engine.update_weights(hf.state_dict())
         outs = engine.generate(prompts, params, seed=0)
         time.sleep(5)  # let the scheduler go idle and run its (strict) leak check
-        alive = engine.generate_client.health()
+        alive = engine.generate_clients[0].health()
         return outs, alive
     finally:
         engine.close()

@@ -32,7 +32,7 @@ from slime_sparse.backends.batching import balance_by_tokens
 
 from .placement import RayCluster
 from .utils import ActorDied, get_each, with_absolute_paths
-from .weight_sync import Bucket, new_group, plan_buckets, send_weights
+from .weight_sync import Bucket, FlatPlan, new_group, plan_buckets, send_weights
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ class LearnerWorker:
         """Forget a group whose membership changed (an engine was replaced)."""
         self._sync.pop(name, None)
 
-    def send_weights(self, name: str, plan: list[Bucket], version: int) -> int:
+    def send_weights(self, name: str, plan: list[Bucket] | FlatPlan, version: int) -> int:
         _, group, backend = self._sync.get(name, (None, None, ""))
         if group is None:
             raise RuntimeError(f"send_weights: no weight-sync group {name!r} (join_sync_group first)")

@@ -1,5 +1,9 @@
 """RayRolloutGroup: the RolloutEngine protocol over several engine actors.
 
+- Engines: `--rollout-engine embedded` runs EngineWorker (the embedded engine in the actor, one device);
+  `--rollout-engine sglang` runs slime_sparse.rollout.sglang.worker.SGLangEngineWorker (the actor launches
+  --rollout-num-gpus-per-engine SGLang servers on the GPUs of its bundles, or attaches to running ones).
+  Both answer the same calls.
 - generate(): the prompts are cut into contiguous, equal-count shards, one per engine, and the results
   gathered back in input order. Each shard carries its global index offset, so sample i is drawn from
   the generator of (seed, i) whichever engine runs it: the outputs do not depend on the number of
@@ -7,15 +11,17 @@
 - Faults: an engine actor that dies while serving a shard is replaced by a new actor in the same bundle,
   given the current weights, and sent that shard again (at most --rollout-max-restarts per call).
 - Weights: `sync_from(learner_group)` moves the learner's weights to every engine without passing
-  through the driver: broadcast from learner rank 0 over a torch.distributed group (weight_sync.py), or
-  in "tensor" mode (colocated default) through the object store. `update_weights(state_dict)` pushes a
-  driver-side state dict. Every sync carries a version that both ends check.
+  through the driver: broadcast from learner rank 0 over a torch.distributed group (weight_sync.py) whose
+  other members are the engine actors, or the SGLang servers themselves; or in "tensor" mode (colocated
+  default) through the object store. `update_weights(state_dict)` pushes a driver-side state dict. Every
+  sync carries a version that both ends check.
 - Colocated mode: engines release their memory after each generate() (the learner trains next) and
   resume it before the next one.
 """
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import Mapping
 
@@ -29,7 +35,7 @@ from slime_sparse.types import GenerationOutput
 from .layout import split_contiguous
 from .placement import RayCluster
 from .utils import get, get_each, with_absolute_paths
-from .weight_sync import Bucket, new_group, receive_weights
+from .weight_sync import Bucket, FlatPlan, flat_plan, layout_of, new_group, receive_weights, require_newer
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +51,40 @@ def resolve_update_mode(mode: str, *, colocate: bool, use_gpu: bool) -> str:
     return mode
 
 
+def worker_class(engine: str) -> type:
+    """The actor body of `--rollout-engine engine`."""
+    if engine == "sglang":
+        from slime_sparse.rollout.sglang.worker import SGLangEngineWorker
+
+        return SGLangEngineWorker
+    return EngineWorker
+
+
+def bundle_gpu_ids(cluster: RayCluster, bundles: list[int], timeout_s: float) -> list[tuple[str, list[int]]]:
+    """(node id, GPU ids) of each of `bundles`, as Ray reports them to a tiny task placed in the bundle."""
+    probe = ray.remote(num_cpus=0, num_gpus=0.01)(_node_and_gpus)  # a sliver: the bundle may be shared (colocated)
+    refs = [probe.options(scheduling_strategy=cluster.strategy(b)).remote() for b in bundles]
+    return get(refs, f"GPU ids of bundles {bundles}", timeout_s)
+
+
+def _node_and_gpus() -> tuple[str, list[int]]:
+    return ray.get_runtime_context().get_node_id(), [int(g) for g in ray.get_gpu_ids()]
+
+
+def engine_gpu_ids(per_bundle: list[tuple[str, list[int]]], engine: int) -> list[int]:
+    """The GPUs of one engine's bundles; the engine's actor launches a server on each, so they must share a node."""
+    nodes = {node for node, _ in per_bundle}
+    if len(nodes) > 1:
+        raise ValueError(f"engine {engine}'s {len(per_bundle)} bundles span nodes {sorted(nodes)}: "
+                         "--rollout-num-gpus-per-engine must divide the GPUs of a node")
+    return [gpu for _, gpus in per_bundle for gpu in gpus]
+
+
 class EngineWorker:
-    """One rollout engine in a Ray actor: the embedded engine for now (SGLang plugs in behind these methods)."""
+    """One embedded rollout engine in a Ray actor (SGLang engines: rollout/sglang/worker.py, same calls)."""
+
+    # the weight plan it receives: header + aligned buckets (weight_sync.py)
+    sync_format = "framed"
 
     def __init__(self, cfg, index: int, timeout_s: float) -> None:
         from slime_sparse.components import build_engine
@@ -61,6 +99,10 @@ class EngineWorker:
 
     def ready(self) -> int:
         return self.index
+
+    def num_sync_ranks(self) -> int:
+        """Members this engine adds to a weight-sync group: this actor."""
+        return 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, index_offset: int,
                  kv=None) -> list[GenerationOutput]:
@@ -81,9 +123,7 @@ class EngineWorker:
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load a full state dict as `version` (must be newer than the one held); returns the version held."""
-        if version <= self.engine.weight_version:
-            raise ValueError(f"engine {self.index}: weight version {version} is not newer than the loaded "
-                             f"{self.engine.weight_version}")
+        require_newer(version, self.engine.weight_version, f"engine {self.index}")
         self.engine.update_weights(state_dict, version=version)
         return self.engine.weight_version
 
@@ -119,16 +159,21 @@ class RayRolloutGroup:
     """RolloutEngine over `cluster.layout.num_engines` engine actors (see the module docstring)."""
 
     def __init__(self, cfg, cluster: RayCluster, *, timeout_s: float | None = None, max_restarts: int | None = None,
-                 actor_cls: type = EngineWorker) -> None:
-        if cfg.rollout.engine != "embedded":
-            raise ValueError(f"--use-ray supports --rollout-engine embedded only for now, got {cfg.rollout.engine!r}")
-        if cluster.layout.bundles_per_engine != 1:
+                 actor_cls: type | None = None) -> None:
+        """actor_cls: the engine actor's body (default: worker_class(--rollout-engine))."""
+        layout = cluster.layout
+        if cfg.rollout.engine == "embedded" and layout.bundles_per_engine != 1:
             raise ValueError("the embedded engine runs on one device: --rollout-num-gpus-per-engine must be 1, "
-                             f"got {cluster.layout.bundles_per_engine}")
+                             f"got {layout.bundles_per_engine}")
         self.cfg = with_absolute_paths(cfg)
         self.cluster = cluster
         self.kv = cfg.kv
         self.timeout_s = cluster.timeout_s if timeout_s is None else timeout_s
+        actor_cls = worker_class(cfg.rollout.engine) if actor_cls is None else actor_cls
+        self._sync_format = actor_cls.sync_format
+        self._worker_kwargs: list[dict] = [{} for _ in range(layout.num_engines)]  # per engine, fixed over restarts
+        if cfg.rollout.engine == "sglang":
+            self._worker_kwargs = self._sglang_worker_kwargs()
         self.max_restarts = cfg.cluster.rollout_max_restarts if max_restarts is None else max_restarts
         self.mode = resolve_update_mode(cfg.cluster.update_weight_mode, colocate=cluster.layout.colocate,
                                         use_gpu=cluster.layout.use_gpu)
@@ -141,7 +186,7 @@ class RayRolloutGroup:
         self._source_step = -1  # its optimizer step at that sync: the weights engines must hold
         self._sync_name: str | None = None  # name of the live weight-sync group
         self._sync_members: tuple | None = None  # (source actor, *engines) in it
-        self._plan: list[Bucket] | None = None
+        self._plan: list[Bucket] | FlatPlan | None = None  # in the format the engines receive
         self.engines = [self._spawn(i) for i in range(cluster.layout.num_engines)]
         try:
             get_each([e.ready.remote() for e in self.engines], "rollout engines start-up", self.timeout_s)
@@ -247,9 +292,24 @@ class RayRolloutGroup:
         self.engines = []
 
     # ---- internals ---------------------------------------------------------------------------------
+    def _sglang_worker_kwargs(self) -> list[dict]:
+        """Per SGLang engine: where its servers log and, when it launches them, the GPUs of its bundles."""
+        from slime_sparse.rollout.sglang.worker import check_ray_layout
+
+        layout = self.cluster.layout
+        check_ray_layout(self.cfg, num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
+                         colocate=layout.colocate, use_gpu=layout.use_gpu)
+        log_dir = os.path.join(self.cfg.log.run_dir, "sglang_logs")  # absolute (with_absolute_paths)
+        kwargs = [{"log_dir": log_dir} for _ in range(layout.num_engines)]
+        if not self.cfg.sglang.attached:
+            for i, bundles in enumerate(layout.engine_bundles()):
+                kwargs[i]["gpu_ids"] = engine_gpu_ids(bundle_gpu_ids(self.cluster, bundles, self.timeout_s), i)
+        return kwargs
+
     def _spawn(self, i: int):
         bundle = self.cluster.layout.engine_bundles()[i][0]
-        return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(self.cfg, i, self.timeout_s)
+        return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(
+            self.cfg, i, self.timeout_s, **self._worker_kwargs[i])
 
     def _submit(self, i: int, prompts, shard: range, params, seed: int, kv):
         return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed, shard.start, kv)
@@ -285,20 +345,25 @@ class RayRolloutGroup:
                 get(source.drop_sync_group.remote(self._sync_name), "drop weight-sync group", self.timeout_s)
             self._sync_name = self._join_sync_group(source)
             self._sync_members = members
-            self._plan = get(source.weight_plan.remote(self.cfg.cluster.update_weight_buffer_size), "weight plan",
-                             self.timeout_s)
+            bucket_bytes = self.cfg.cluster.update_weight_buffer_size
+            self._plan = get(source.weight_plan.remote(bucket_bytes), "weight plan", self.timeout_s)
+            if self._sync_format == "flat":  # SGLang servers receive its tensors as flattened buckets, no header
+                self._plan = flat_plan(layout_of(self._plan), bucket_bytes)
         refs = [source.send_weights.remote(self._sync_name, self._plan, version)]
         refs += [e.receive_weights.remote(self._plan, version) for e in self.engines]
         return get_each(refs, "weight sync (broadcast)", self.timeout_s)  # [sent, received by each engine]
 
     def _join_sync_group(self, source) -> str:
-        """Form a new weight-sync group: the source (rank 0) and every engine; returns its name."""
+        """Form a new weight-sync group: the source (rank 0) and every engine's members (the actor itself, or each
+        of its SGLang servers), ranks numbered engine after engine; returns its name."""
         name = f"weight-sync-{uuid.uuid4().hex[:12]}"
-        world = 1 + self.num_engines
+        counts = get_each([e.num_sync_ranks.remote() for e in self.engines], "weight-sync members", self.timeout_s)
+        world = 1 + sum(counts)
+        first_ranks = [1 + sum(counts[:i]) for i in range(len(counts))]
         host, port = get(source.open_sync_store.remote(name, world), "weight-sync rendezvous", self.timeout_s)
         refs = [source.join_sync_group.remote(name, world, self.backend)]
-        refs += [e.join_sync_group.remote(host, port, 1 + i, world, self.backend, name)
-                 for i, e in enumerate(self.engines)]
+        refs += [e.join_sync_group.remote(host, port, rank, world, self.backend, name)
+                 for e, rank in zip(self.engines, first_ranks)]
         get_each(refs, "weight-sync group", self.timeout_s)
         return name
 

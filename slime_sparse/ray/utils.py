@@ -62,6 +62,8 @@ def get_each(refs: Sequence[Any], what: str, timeout_s: float | None = None) -> 
 
 
 def with_absolute_paths(cfg):
-    """`cfg` (a RunConfig) with its model path made absolute: actors may run in another working directory."""
+    """`cfg` (a RunConfig) with its model path and run directory made absolute: actors may run in another
+    working directory."""
     train = dataclasses.replace(cfg.train, hf_checkpoint=os.path.abspath(cfg.train.hf_checkpoint))
-    return dataclasses.replace(cfg, train=train)
+    log = dataclasses.replace(cfg.log, run_dir=os.path.abspath(cfg.log.run_dir))
+    return dataclasses.replace(cfg, train=train, log=log)

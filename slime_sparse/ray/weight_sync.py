@@ -1,30 +1,35 @@
 """Learner -> rollout engine weight sync over a torch.distributed group: bucket plan, packing, both ends.
 
-The sync group holds learner rank 0 (sync rank 0, the source) and every engine actor (ranks 1..E).
-It is a standalone process group built on its own TCPStore, not a subgroup of the learners' default
-group: learner rank 0 belongs to both, and the engines to no other. Gloo on CPU, NCCL on GPU.
+The sync group holds learner rank 0 (sync rank 0, the source) and every receiving process (ranks 1..N):
+embedded engine actors, or the SGLang servers themselves. It is a standalone process group built on its
+own TCPStore, not a subgroup of the learners' default group: learner rank 0 belongs to both, and the
+receivers to no other. Gloo on CPU, NCCL on GPU. `new_group` builds it on the same store keys as SGLang's
+/init_weights_update_group, so our members and SGLang servers form one group.
 
-One sync, every member in step:
-  1. the driver asks learner rank 0 for the bucket plan (names, shapes, dtypes, byte offsets: metadata);
-  2. it hands the plan and the new version to the source and to every engine, which all call in at once;
-  3. the source broadcasts a header [version, plan fingerprint, number of buckets]: each engine checks it
-     against the plan and version the driver gave it, so a member that fell out of step cannot load a
-     mix of two syncs;
-  4. then one broadcast per bucket: the bucket's tensors packed as raw bytes (any dtype, bit-exact);
-  5. engines unpack and load, and report the version they now hold; the driver checks it.
+Two wire formats, chosen by the plan the driver hands to both ends:
+- a list of `Bucket`s (embedded engines): the source first broadcasts a header [version, plan
+  fingerprint, number of buckets], which each engine checks against the plan and version the driver gave
+  it, so a member that fell out of step cannot load a mix of two syncs; then one broadcast per bucket,
+  its tensors packed as raw bytes at 16-byte aligned offsets (any dtype, bit-exact);
+- a `FlatPlan` (SGLang servers): no header (a server receives only what its
+  /update_weights_from_distributed call announces); one broadcast per bucket in SGLang's
+  "flattened_bucket" layout, the tensors' bytes back to back. The version travels over HTTP.
+Receivers report the version they now hold; the driver checks it.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 ALIGN = 16  # byte alignment of each tensor in a bucket: a uint8 slice can then be viewed as any dtype
 BACKENDS = ("gloo", "nccl")
+# The device torch's group helper files a backend's store keys under (the first it maps the backend to).
+BACKEND_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +53,42 @@ def plan_buckets(layout: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_
     """Group (name, shape, dtype) tensors, in order, into buckets of at most `bucket_bytes` bytes.
 
     A tensor larger than the limit gets a bucket of its own. Tensors of different dtypes may share a
-    bucket: it is sent as bytes.
+    bucket: it is sent as bytes, each tensor at a 16-byte aligned offset.
     """
+    return _plan(layout, bucket_bytes, lambda used, dtype: _align(used))
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    """Buckets in SGLang's flattened-bucket layout (sglang/srt/weight_sync/tensor_bucket.py): each bucket is
+    its tensors' bytes back to back, in order, with no padding. Sent without a header."""
+
+    buckets: tuple[Bucket, ...]
+
+
+def flat_plan(layout: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int) -> FlatPlan:
+    """`layout` in buckets of at most `bucket_bytes` bytes, packed as SGLang's FlattenedTensorBucket packs them.
+
+    SGLang rebuilds each tensor as `flat[start:end].view(dtype)`, which needs `start` to be a multiple of the
+    dtype's element size: a tensor that would start misaligned (after an odd number of bf16 values, say)
+    opens a new bucket instead.
+    """
+    def packed_offset(used: int, dtype: torch.dtype) -> int | None:
+        return used if used % _element_size(dtype) == 0 else None
+
+    return FlatPlan(tuple(_plan(layout, bucket_bytes, packed_offset)))
+
+
+def layout_of(plan: list[Bucket] | FlatPlan) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of every tensor of a plan, in order (to re-plan it in another format)."""
+    buckets = plan.buckets if isinstance(plan, FlatPlan) else plan
+    return [(s.name, s.shape, s.dtype) for b in buckets for s in b.slots]
+
+
+def _plan(layout: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_bytes: int,
+          place: Callable[[int, torch.dtype], int | None]) -> list[Bucket]:
+    """Buckets in order; `place(used, dtype)` is the offset of the next tensor after `used` bytes, or None
+    when it cannot go in the current bucket."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (--update-weight-buffer-size)")
     buckets: list[Bucket] = []
@@ -57,8 +96,8 @@ def plan_buckets(layout: list[tuple[str, tuple[int, ...], torch.dtype]], bucket_
     used = 0
     for name, shape, dtype in layout:
         nbytes = _numel(shape) * _element_size(dtype)
-        offset = _align(used)
-        if slots and nbytes and offset + nbytes > bucket_bytes:
+        offset = place(used, dtype)
+        if slots and (offset is None or (nbytes and offset + nbytes > bucket_bytes)):
             buckets.append(Bucket(tuple(slots), used))
             slots, offset = [], 0
         slots.append(Slot(name, tuple(int(d) for d in shape), dtype, offset, nbytes))
@@ -95,17 +134,33 @@ def new_group(store: dist.Store, rank: int, world_size: int, backend: str, timeo
               prefix: str) -> dist.ProcessGroup:
     """A standalone process group over `store` (blocks until all `world_size` members have called it).
 
+    The keys are those SGLang's servers use when they join (sglang.srt.utils.common.init_custom_process_group:
+    torch's _new_process_group_helper(group_name=prefix) over PrefixStore(prefix, store), which files the
+    backend's keys under "<prefix>/" and then "<device>/"), so SGLang servers and our members form one group.
+    The backend is built directly rather than through that helper: the helper registers the name in
+    torch's per-process group table, which would forbid two members in one process (tests).
     timeout_s bounds every collective on it, so a dead peer turns into an error instead of a hang.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"weight-sync backend {backend!r} is invalid: choose one of {BACKENDS}")
     timeout = timedelta(seconds=timeout_s)
-    store = dist.PrefixStore(prefix, store)
+    group_keys = dist.PrefixStore(f"{prefix}/", dist.PrefixStore(prefix, store))
+    keys = dist.PrefixStore(f"{BACKEND_DEVICE[backend]}/", group_keys)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":
+        group = dist.ProcessGroupGloo(keys, rank, world_size, timeout)
+    else:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    raise ValueError(f"weight-sync backend {backend!r} is invalid: choose one of {BACKENDS}")
+        group = dist.ProcessGroupNCCL(keys, rank, world_size, options)
+    group._set_sequence_number_for_group()  # as the helper does, so both ends number their collectives alike
+    return group
+
+
+def open_store(host: str, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store of a sync group, hosted by the source on a port the OS picks (`.port`).
+    Members join it as TCPStore clients, SGLang servers through tcp://host:port."""
+    return dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
 
 
 def comm_device(backend: str) -> torch.device:
@@ -113,10 +168,14 @@ def comm_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def send_weights(group: dist.ProcessGroup, tensors: Mapping[str, torch.Tensor], plan: list[Bucket], version: int,
-                 backend: str) -> int:
-    """Source side (sync rank 0): header, then every bucket. Returns the version sent."""
+def send_weights(group: dist.ProcessGroup, tensors: Mapping[str, torch.Tensor], plan: list[Bucket] | FlatPlan,
+                 version: int, backend: str) -> int:
+    """Source side (sync rank 0): the header (framed plan only), then every bucket. Returns the version sent."""
     device = comm_device(backend)
+    if isinstance(plan, FlatPlan):
+        for bucket in plan.buckets:  # each SGLang server is inside the matching update_weights_from_distributed call
+            group.broadcast(pack(bucket, tensors, device), 0).wait()
+        return version
     header = torch.tensor([version, fingerprint(plan), len(plan)], dtype=torch.int64, device=device)
     group.broadcast(header, 0).wait()
     for bucket in plan:
@@ -146,6 +205,12 @@ def receive_weights(group: dist.ProcessGroup, plan: list[Bucket], version: int,
             f"{got_fp:x}), this engine expected version {version} ({len(plan)} buckets, plan {fingerprint(plan):x})"
         )
     return weights
+
+
+def require_newer(version: int, held: int, who: str) -> None:
+    """Both ends of a sync refuse a version that is not newer than the one held (a replayed or reordered sync)."""
+    if version <= held:
+        raise ValueError(f"{who}: weight version {version} is not newer than the loaded {held}")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -5,20 +5,25 @@ Wire format, read from the pinned SGLang (checked by sglang_patches.contract):
   --skip-tokenizer-init answers {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|
   "abort", ...}, "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version": ..., ...}};
 - with the budgeted cache, meta_info["sparse_kv_kept"][i] is the number of KV slots attention read to produce
-  output token i (sglang_patches.runtime.KEPT_INFO_KEY).
-Only the standard library is used, so this runs (and is tested) anywhere.
+  output token i (sglang_patches.runtime.KEPT_INFO_KEY);
+- control endpoints answer JSON ({"success": ..., "message": ...} for weight updates), except /flush_cache, which
+  answers plain text with 200, or 400 while requests are still queued or running.
+HTTP goes through the standard library only, so this runs (and is tested) anywhere.
 """
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+from sglang_patches.settings import DENSE_REQUEST_PARAM
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput, KVStats
 
 KEPT_KEY = "sparse_kv_kept"  # = sglang_patches.runtime.KEPT_INFO_KEY
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat uint8 buffer per broadcast bucket
 
 
 class SGLangHTTPError(RuntimeError):
@@ -30,7 +35,7 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
 
-    def _request(self, method: str, path: str, payload: dict | None = None) -> Any:
+    def _request(self, method: str, path: str, payload: dict | None = None, *, as_json: bool = True) -> Any:
         data = None if payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(
             self.base_url + path, data=data, method=method, headers={"Content-Type": "application/json"}
@@ -40,6 +45,8 @@ class SGLangClient:
                 body = resp.read()
         except urllib.error.HTTPError as exc:
             raise SGLangHTTPError(f"{method} {path} -> HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+        if not as_json:
+            return body.decode(errors="replace")
         return json.loads(body) if body else None
 
     def post(self, path: str, payload: dict | None = None) -> Any:
@@ -60,8 +67,17 @@ class SGLangClient:
         except (SGLangHTTPError, urllib.error.URLError, ConnectionError):
             return False
 
-    def flush_cache(self) -> None:
-        self.post("/flush_cache")
+    def flush_cache(self, attempts: int = 20, wait_s: float = 0.5) -> None:
+        """Drop the KV cache (and the plugin's query rings). SGLang refuses while requests are queued or running
+        (HTTP 400), e.g. requests of a client that just went away and are being aborted: retry a while."""
+        for attempt in range(attempts):
+            try:
+                self._request("POST", "/flush_cache", {}, as_json=False)
+                return
+            except SGLangHTTPError:
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(wait_s)
 
     def pause_generation(self, mode: str = "retract") -> None:
         """mode "retract": running requests go back to the queue and are re-prefilled after continue."""
@@ -84,11 +100,17 @@ class SGLangClient:
             "world_size": world_size, "group_name": group_name, "backend": backend,
         })
 
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._check_success("/destroy_weights_update_group", {"group_name": group_name})
+
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str, weight_version: str) -> None:
+                                        group_name: str, weight_version: str,
+                                        load_format: str | None = FLATTENED_BUCKET) -> None:
+        """Receive one broadcast bucket from rank 0 of `group_name`; returns once it is loaded."""
         self._check_success("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "flush_cache": False, "weight_version": weight_version,  # we flush once, after the last bucket
+            "load_format": load_format,
         })
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], weight_version: str,
@@ -104,11 +126,16 @@ class SGLangClient:
             raise SGLangHTTPError(f"POST {path} failed: {out!r}")
 
 
+def dense_request_params() -> dict:
+    """custom_params that make a request skip the budgeted cache's compression (sglang_patches reads them)."""
+    return {DENSE_REQUEST_PARAM: True}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Pure translation
 # ----------------------------------------------------------------------------------------------------------------
-def sampling_payload(params: SamplingParams, seed: int | None) -> dict:
-    """SGLang sampling_params for one request.
+def sampling_payload(params: SamplingParams, seed: int | None, custom_params: dict | None = None) -> dict:
+    """SGLang sampling_params for one request (`custom_params`: per-request fields our plugin reads).
 
     SGLang seeds a request only on its plain multinomial path (no top-k/top-p truncation); there the seed plus the
     token's logical position fixes the draw. With truncation the draw is not reproducible, so no seed is sent.
@@ -128,6 +155,8 @@ def sampling_payload(params: SamplingParams, seed: int | None) -> dict:
     truncated = params.top_p < 1.0 or params.top_k > 0
     if seed is not None and not truncated and not params.greedy:
         payload["sampling_seed"] = seed
+    if custom_params:
+        payload["custom_params"] = dict(custom_params)
     return payload
 
 
@@ -165,6 +194,10 @@ def parse_generate_response(
     finish = (meta.get("finish_reason") or {}).get("type")
     if finish not in ("stop", "length"):
         raise SGLangHTTPError(f"request finished with {meta.get('finish_reason')!r}")
+    served = meta.get("weight_version")
+    if weight_version > 0 and served is not None and str(served) != str(weight_version):
+        # SGLang reports the version of its last update: a server that missed a sync must not feed the learner
+        raise SGLangHTTPError(f"the server generated with weight version {served!r}, the engine holds {weight_version}")
     kept = meta.get(KEPT_KEY)
     if expect_kept and kept is None and len(output_ids) > 1:
         raise SGLangHTTPError(

@@ -14,9 +14,13 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class SGLangEngineConfig:
     model_path: str = ""  # HF directory every server loads; filled from --hf-checkpoint by the training loop
-    num_servers: int = 1  # one server per GPU (TP 1 is a precondition of the budgeted cache)
+    # one server per GPU (TP 1 is a precondition of the budgeted cache); with --use-ray each engine runs
+    # --rollout-num-gpus-per-engine servers instead, on the GPUs of its placement-group bundles
+    num_servers: int = 1
     host: str = "127.0.0.1"
-    base_port: int = 30000  # server i listens on base_port + i; the router on router_port
+    # server i listens on base_port + i, the router on router_port; with --use-ray, engine e shifts them by
+    # e x its server count and by e, so the engines of one node never collide
+    base_port: int = 30000
     router_port: int = 30100
     use_router: bool | None = None  # None = a router exactly when num_servers > 1
     gpu_ids: tuple[int, ...] | None = None  # None = 0 .. num_servers - 1
@@ -29,6 +33,10 @@ class SGLangEngineConfig:
     context_length: int | None = None
     enable_memory_saver: bool = False  # colocated trainer: release/resume KV cache and weights
     extra_args: tuple[str, ...] = ()  # pass-through server flags (every unknown --sglang-X becomes --X)
+    # Attach to servers already running (started by hand or by a cluster scheduler, with the plugin installed and
+    # SLIME_SPARSE_KV_CONFIG set) instead of launching them; requests are spread over them. With --use-ray the
+    # list is cut into --rollout-num-gpus-per-engine consecutive URLs per engine.
+    server_urls: tuple[str, ...] = ()
     startup_timeout_s: float = 600.0
     request_timeout_s: float = 3600.0
     max_concurrency: int = 256  # in-flight /generate requests from this client
@@ -45,6 +53,16 @@ class SGLangEngineConfig:
         for port_name, port in (("--sglang-base-port", self.base_port), ("--sglang-router-port", self.router_port)):
             if not 1 <= port <= 65535:
                 raise ValueError(f"{port_name}={port} is not a TCP port")
+        bad = [u for u in self.server_urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"--sglang-server-urls: {bad} are not http(s)://host:port URLs")
+        if len(set(self.server_urls)) != len(self.server_urls):
+            raise ValueError(f"--sglang-server-urls lists a server twice: {list(self.server_urls)}")
+
+    @property
+    def attached(self) -> bool:
+        """The servers run already (--sglang-server-urls): nothing is launched."""
+        return bool(self.server_urls)
 
     @property
     def router_enabled(self) -> bool:

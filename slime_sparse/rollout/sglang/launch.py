@@ -3,10 +3,15 @@
 The budgeted cache is switched on per server through the plugin's environment variable
 (sglang_patches.settings.ENV_VAR); the flags it requires (page size 1, no radix cache, no overlap scheduler,
 no prefill CUDA graph, TP 1) are added here so a server never trips the plugin's start-up checks by default.
+The servers die with the process that launched them (Linux: parent-death signal), so a Ray engine actor that is
+killed or crashes leaves no server holding its GPU and ports; a replacement waits for the ports to free up.
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -14,6 +19,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from slime_sparse.kv import KVCompressConfig
 
@@ -88,9 +94,39 @@ def wait_healthy(url: str, timeout_s: float, process: subprocess.Popen | None = 
     raise TimeoutError(f"{url} not healthy after {timeout_s:.0f} s")
 
 
+def wait_port_free(host: str, port: int, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Block until `port` can be bound on `host` (a server of a killed predecessor may still be shutting down)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds: TIME_WAIT is no obstacle
+            try:
+                sock.bind((host, port))
+                return
+            except OSError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"port {port} on {host} still in use after {timeout_s:.0f} s (another server? "
+                                       "see --sglang-base-port / --sglang-router-port)") from None
+        time.sleep(poll_s)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """preexec_fn asking Linux to SIGTERM the child when its parent dies (None elsewhere). prctl is looked up here,
+    before the fork: the child of a threaded parent should do as little as possible before exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+
+    def preexec() -> None:
+        prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+    return preexec
+
+
 @dataclass
 class ManagedProcess:
-    """A child process with its log file; stop() terminates it (and only it)."""
+    """A child process with its log file; stop() terminates it (and only it). It also dies with this process."""
 
     name: str
     process: subprocess.Popen
@@ -101,7 +137,8 @@ class ManagedProcess:
         log_dir.mkdir(parents=True, exist_ok=True)
         log_path = log_dir / f"{name}.log"
         log = open(log_path, "w")
-        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=_die_with_parent())
         log.close()  # the child holds its own handle
         return cls(name, process, log_path)
 
@@ -129,6 +166,8 @@ class ServerGroup:
     @classmethod
     def launch(cls, cfg: SGLangEngineConfig, kv: KVCompressConfig | None, log_dir: Path) -> "ServerGroup":
         cfg.validate()
+        if cfg.attached:
+            raise ValueError("--sglang-server-urls names running servers: there is nothing to launch")
         if not cfg.model_path:
             raise ValueError("--hf-checkpoint must name the model the SGLang servers load")
         gpu_ids = cfg.gpu_ids if cfg.gpu_ids is not None else list(range(cfg.num_servers))
@@ -137,6 +176,7 @@ class ServerGroup:
         try:
             for i, gpu in enumerate(gpu_ids):
                 port = cfg.base_port + i
+                wait_port_free(cfg.host, port, cfg.startup_timeout_s)
                 servers.append(ManagedProcess.start(
                     f"sglang-{i}", server_command(cfg, port, kv), server_env(kv, gpu), log_dir))
                 urls.append(f"http://{cfg.host}:{port}")
@@ -144,6 +184,7 @@ class ServerGroup:
                 wait_healthy(url, cfg.startup_timeout_s, proc.process)
             url = urls[0]
             if cfg.router_enabled:
+                wait_port_free(cfg.host, cfg.router_port, cfg.startup_timeout_s)
                 router = ManagedProcess.start("router", router_command(cfg, urls), dict(os.environ), log_dir)
                 url = f"http://{cfg.host}:{cfg.router_port}"
                 wait_healthy(url, cfg.startup_timeout_s, router.process)
