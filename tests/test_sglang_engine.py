@@ -281,7 +281,7 @@ def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
     and dense evaluation reuses them per request instead of starting a second server set."""
     from slime_sparse.components import Components, build_engine
     from slime_sparse.config import load_config
-    from slime_sparse.rollout.sglang import SGLangKVView
+    from slime_sparse.rollout.base import KVView
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1 2=", "label": "3"}\n')
@@ -294,7 +294,7 @@ def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
         assert (joined["world_size"], joined["rank_offset"], joined["backend"]) == (2, 1, "gloo")
         comp = Components(cfg=cfg, tokenizer=None, stream=None, reward_fn=None, learner=None, engine=engine)
         view = comp.eval_engine("dense")
-        assert isinstance(view, SGLangKVView) and view.engine is engine and comp.eval_engine("sparse") is engine
+        assert isinstance(view, KVView) and view.engine is engine and comp.eval_engine("sparse") is engine
         weights = {"w": torch.randn(3, 2)}
         engine.update_weights(weights)
         assert torch.equal(fake.weights["w"], weights["w"]) and view.weight_version == 1

@@ -29,6 +29,7 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from slime_sparse.rollout.base import KVView
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 
@@ -268,7 +269,7 @@ class RayRolloutGroup:
     def resume_memory(self) -> None:
         self._on_all("resume_memory")
 
-    def with_kv(self, kv) -> "KVView":
+    def with_kv(self, kv) -> KVView:
         """This group's engines under another KV config (e.g. dense evaluation), sharing their weights."""
         return KVView(self, kv)
 
@@ -381,28 +382,3 @@ class RayRolloutGroup:
 
     def _on_all(self, method: str) -> None:
         get_each([getattr(e, method).remote() for e in self.engines], method, self.timeout_s)
-
-
-class KVView:
-    """A RayRolloutGroup seen under another KV config; weights and versions are the group's."""
-
-    def __init__(self, group: RayRolloutGroup, kv) -> None:
-        self.group = group
-        self.kv = kv
-
-    @property
-    def weight_version(self) -> int:
-        return self.group.weight_version
-
-    def generate(self, prompts, params, seed=None):
-        return self.group.generate(prompts, params, seed, kv=self.kv)
-
-    def update_weights(self, state_dict, version=None) -> None:
-        self.group.update_weights(state_dict, version)
-
-    def release_memory(self) -> None:
-        self.group.release_memory()
-
-    def resume_memory(self) -> None:
-        self.group.resume_memory()
-

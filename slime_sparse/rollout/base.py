@@ -40,3 +40,30 @@ class RolloutEngine(Protocol):
     def resume_memory(self) -> None:
         """Undo release_memory before the next generate (may be a no-op)."""
         ...
+
+
+class KVView:
+    """An engine seen under another KV config (e.g. dense evaluation of a compressing engine): generate()
+    passes `kv` to the engine's own `generate(..., kv=)`; weights and versions stay the engine's. Used by the
+    engines that hold one model for several KV configs (a Ray group, SGLang servers with a per-request opt-out)."""
+
+    def __init__(self, engine, kv) -> None:
+        self.engine = engine
+        self.kv = kv
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+                 ) -> list[GenerationOutput]:
+        return self.engine.generate(prompts, params, seed, kv=self.kv)
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
+        self.engine.update_weights(state_dict, version)
+
+    def release_memory(self) -> None:
+        self.engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self.engine.resume_memory()

@@ -7,7 +7,6 @@ from .client import SGLangClient, SGLangHTTPError, kv_stats_from_kept, parse_gen
 from .config import SGLangEngineConfig, split_passthrough
 from .engine import (
     DistributedWeightSync,
-    SGLangKVView,
     SGLangRolloutEngine,
     TensorWeightSync,
     load_from_distributed,
@@ -20,7 +19,6 @@ __all__ = [
     "SGLangClient",
     "SGLangEngineConfig",
     "SGLangHTTPError",
-    "SGLangKVView",
     "SGLangRolloutEngine",
     "ServerGroup",
     "TensorWeightSync",

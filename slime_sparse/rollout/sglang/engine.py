@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import torch
 
 from slime_sparse.kv import KVCompressConfig
+from slime_sparse.rollout.base import KVView
 from slime_sparse.ray.weight_sync import FlatPlan, flat_plan, new_group, open_store, require_newer, send_weights
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput
@@ -222,9 +223,10 @@ class SGLangRolloutEngine:
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(prompts)))) as pool:
             return list(pool.map(one, range(len(prompts))))
 
-    def with_kv(self, kv: KVCompressConfig) -> "SGLangKVView":
+    def with_kv(self, kv: KVCompressConfig) -> KVView:
         """These servers seen under another KV config (dense evaluation), sharing their weights and version."""
-        return SGLangKVView(self, kv)
+        self.request_params(kv)  # refuse an unsupported config now, not at the first evaluation
+        return KVView(self, kv)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load `state_dict` into every server through self.weight_sync, as `version` (default: the next one)."""
@@ -258,29 +260,3 @@ class SGLangRolloutEngine:
         if self._servers is not None:
             self._servers.stop()
             self._servers = None
-
-
-class SGLangKVView:
-    """An SGLangRolloutEngine under another KV config (see request_params); weights and version are the engine's."""
-
-    def __init__(self, engine: SGLangRolloutEngine, kv: KVCompressConfig) -> None:
-        engine.request_params(kv)  # refuse an unsupported config now, not at the first evaluation
-        self.engine = engine
-        self.kv = kv
-
-    @property
-    def weight_version(self) -> int:
-        return self.engine.weight_version
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
-                 ) -> list[GenerationOutput]:
-        return self.engine.generate(prompts, params, seed, kv=self.kv)
-
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
-        self.engine.update_weights(state_dict, version)
-
-    def release_memory(self) -> None:
-        self.engine.release_memory()
-
-    def resume_memory(self) -> None:
-        self.engine.resume_memory()
