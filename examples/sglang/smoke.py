@@ -6,7 +6,9 @@ A tiny Qwen2 config with random weights (--load-format dummy, fixed seed inside 
 1. budget >= sequence length: greedy tokens and log-probs identical to the unpatched server;
 2. small budget: every request completes, the cache really was compressed (meta_info sparse_kv_kept), and the
    allocator returns to full (SGLang's idle leak check made strict: a leak kills the server);
-3. the same after a weight update through update_weights_from_tensor (same weights re-sent).
+3. the same after a weight update through update_weights_from_tensor (same weights re-sent);
+4. dense evaluation on the small-budget server (the per-request opt-out used by `eval_engine("dense")`): greedy
+   tokens and log-probs identical to the unpatched server, and those requests are never compressed.
 
     python examples/sglang/smoke.py --out /tmp/sglang_smoke
 """
@@ -56,9 +58,12 @@ def run(model: Path, kv: KVCompressConfig | None, cuda_graph: bool, log_dir: Pat
             engine.weight_sync = TensorWeightSync()
             engine.update_weights(hf.state_dict())
         outs = engine.generate(prompts, params, seed=0)
+        dense_view = None
+        if kv is not None and not weight_update:  # the same servers, requests opting out of compression
+            dense_view = engine.with_kv(KVCompressConfig(method="none")).generate(prompts, params, seed=0)
         time.sleep(5)  # let the scheduler go idle and run its (strict) leak check
         alive = engine.generate_clients[0].health()
-        return outs, alive
+        return outs, alive, dense_view
     finally:
         engine.close()
 
@@ -73,17 +78,17 @@ def main() -> int:
     failures = []
     for graph in (True, False):
         tag = "graph" if graph else "eager"
-        dense, ok_dense = run(model, None, graph, args.out / f"dense-{tag}", prompts, greedy, 31000)
+        dense, ok_dense, _ = run(model, None, graph, args.out / f"dense-{tag}", prompts, greedy, 31000)
         big = KVCompressConfig(method="rkv", budget=1024, buffer=64, window=8, granularity="model")
-        same, ok_same = run(model, big, graph, args.out / f"big-{tag}", prompts, greedy, 31010)
+        same, ok_same, _ = run(model, big, graph, args.out / f"big-{tag}", prompts, greedy, 31010)
         for a, b in zip(dense, same):
             if a.response_ids != b.response_ids or a.logprobs != b.logprobs:
                 failures.append(f"[{tag}] budget >= length differs from the unpatched server")
                 break
         small = KVCompressConfig(method="rkv", budget=48, buffer=16, window=8, granularity="model")
         for update in (False, True):
-            outs, alive = run(model, small, graph, args.out / f"small-{tag}-{update}", prompts, greedy, 31020,
-                              weight_update=update)
+            outs, alive, dense_view = run(model, small, graph, args.out / f"small-{tag}-{update}", prompts,
+                                          greedy, 31020, weight_update=update)
             if not alive:
                 failures.append(f"[{tag}, update={update}] server died (leak check?) - see its log")
             if any(len(o.response_ids) != 160 for o in outs):
@@ -91,6 +96,11 @@ def main() -> int:
             if not all(o.kv.compressions > 0 and o.kv.peak_kv_tokens <= 48 + 16 for o in outs):
                 failures.append(f"[{tag}, update={update}] cache not bounded by budget + buffer")
             print(f"[{tag}] update={update} savings:", [round(o.kv.savings, 3) for o in outs])
+            if dense_view is not None:
+                if any(a.response_ids != b.response_ids or a.logprobs != b.logprobs for a, b in zip(dense, dense_view)):
+                    failures.append(f"[{tag}] dense opt-out on the small-budget server differs from the unpatched one")
+                if any(o.kv.compressions for o in dense_view):
+                    failures.append(f"[{tag}] a dense opt-out request was compressed")
         if not (ok_dense and ok_same):
             failures.append(f"[{tag}] a dense/large-budget server died")
     for line in failures:
