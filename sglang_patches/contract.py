@@ -37,6 +37,7 @@ class SourceCheck:
 
 
 SB = "srt/managers/schedule_batch.py"
+SP = "srt/managers/schedule_policy.py"
 CHECKS: tuple[SourceCheck, ...] = (
     # --- plugin mechanism -------------------------------------------------------------------------------------
     SourceCheck("srt/plugins/__init__.py", "", "entry-point group our setup.py declares",
@@ -134,6 +135,56 @@ CHECKS: tuple[SourceCheck, ...] = (
                 names=("create",)),
     SourceCheck("srt/constants.py", "", "memory-saver tag of the KV cache",
                 snippets=('GPU_MEMORY_TYPE_KV_CACHE = "kv_cache"',)),
+    # --- admission control (hooks.around_running_request_offset / around_add_one_req / around_add_chunked_req /
+    # around_check_decode_mem): where SGLang reserves memory for a request's future tokens -----------------------
+    SourceCheck(SP, "", "the clip the dense part of a new request's reservation uses",
+                snippets=("CLIP_MAX_NEW_TOKENS = int(",)),
+    SourceCheck(SP, "PrefillAdder", "attributes and methods the admission hooks read or wrap",
+                names=("_get_running_request_total_token_offset", "add_one_req", "add_one_req_ignore_eos",
+                       "add_chunked_req", "budget_state", "preempt_to_schedule", "rem_total_token_offset",
+                       "can_run_list", "new_chunked_req", "dllm_config", "new_token_ratio")),
+    SourceCheck(SP, "PrefillAdder.__init__", "running requests are priced by the hooked method, summed into the offset",
+                snippets=("self.rem_total_token_offset += sum([self._get_running_request_total_token_offset(r) "
+                          "for r in running_batch.reqs])",)),
+    SourceCheck(SP, "PrefillAdder._get_running_request_total_token_offset",
+                "the dense reservation our bound may only lower (remaining tokens, clipped, times the ratio)",
+                snippets=("(req.sampling_params.max_new_tokens - len(req.output_ids))", "CLIP_MAX_NEW_TOKENS",
+                          "* self.new_token_ratio")),
+    SourceCheck(SP, "PrefillAdder.rem_total_tokens", "the offset is subtracted from the free pool",
+                snippets=("return available_and_evictable - self.rem_total_token_offset",)),
+    SourceCheck(SP, "PrefillAdder._update_prefill_budget", "an admitted request adds prompt + max_new_tokens to the offset",
+                snippets=("self.rem_total_token_offset += (extend_input_len + max_new_tokens + page_overhead "
+                          "+ mamba_gap_reserve)",)),
+    SourceCheck(SP, "PrefillAdder.add_one_req",
+                "the admission test and the reservation both use rem_total_tokens and min(max_new_tokens, CLIP); "
+                "a whole prompt is appended to can_run_list, a first chunk also becomes new_chunked_req",
+                snippets=("return self.add_one_req_ignore_eos(req)", "if total_tokens >= self.rem_total_tokens:",
+                          "min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS,)",
+                          "self.can_run_list.append(req)", "self.new_chunked_req = req",
+                          "return self.budget_state()")),
+    SourceCheck(SP, "PrefillAdder.add_one_req_ignore_eos", "same reservation and chunk marking on the ignore_eos path",
+                snippets=("min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)",
+                          "self.new_chunked_req = req", "return self.budget_state()")),
+    SourceCheck(SP, "PrefillAdder.add_chunked_req", "only the last chunk (returns None) reserves the decode tokens",
+                snippets=("min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS) if not truncated else 0",
+                          "return req if truncated else None")),
+    SourceCheck(SP, "PrefillAdder.preempt_to_schedule", "a preempted request gives back what the hooked method priced",
+                snippets=("self.rem_total_token_offset -= (self._get_running_request_total_token_offset(running_req))",)),
+    SourceCheck(SB, "ScheduleBatch", "decode-memory check and what it reads",
+                names=("check_decode_mem", "new_tokens_required_next_decode", "retract_decode",
+                       "token_to_kv_pool_allocator")),
+    SourceCheck(SB, "ScheduleBatch.check_decode_mem", "one free slot per request is asked of the allocator",
+                snippets=("num_tokens = self.new_tokens_required_next_decode(selected_indices)",
+                          "return self.token_to_kv_pool_allocator.available_size() >= num_tokens")),
+    SourceCheck(SB, "ScheduleBatch.retract_decode", "retraction re-checks through the hooked method",
+                snippets=("not self.check_decode_mem(selected_indices=sorted_indices)",)),
+    SourceCheck("srt/managers/scheduler.py", "Scheduler.update_running_batch",
+                "the memory check runs before prepare_for_decode, where our compaction frees slots",
+                snippets=("not batch.check_decode_mem()", "batch.prepare_for_decode()")),
+    SourceCheck(SB, "ScheduleBatch.prepare_for_extend", "after a prefill, kv_committed_len = the prefilled length",
+                snippets=("req.kv_committed_len = seq_len",)),
+    SourceCheck(SB, "Req._refresh_fill_ids", "a (re)prefill covers origin_input_ids + output_ids",
+                snippets=("full_untruncated_fill_ids == origin_input_ids + output_ids",)),
     # --- what comes back over HTTP ----------------------------------------------------------------------------
     SourceCheck("srt/managers/scheduler_components/output_streamer.py", "", "Req.customized_info streamed per token",
                 snippets=("if req.customized_info is not None:", "req_values[send_token_offset : len(output_ids_)]")),

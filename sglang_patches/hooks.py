@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .admission import new_request_decode_reservation, running_request_need, slots_freed_by_next_compaction
 from .preconditions import SparseKVPreconditionError, check_model_runner, check_server_args, raise_if_problems
-from .runtime import SparseKVRuntime, reset_request
+from .runtime import SparseKVRuntime, reset_request, wants_dense
 from .settings import config_from_environ
 from .version import SGLANG_VERSION
 
@@ -115,6 +116,93 @@ def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) ->
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# Admission control: reserve what a compressed request can still need, not its dense remaining tokens
+# (numbers in sglang_patches.admission; dense-opted-out requests keep SGLang's reservation untouched)
+# ------------------------------------------------------------------------------------------------------------------
+def around_running_request_offset(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> float:
+    """PrefillAdder._get_running_request_total_token_offset (AROUND): a running request's reservation.
+
+    SGLang reserves min(max_new_tokens - generated, CLIP) * new_token_ratio. A compressed request never grows past
+    its budget peak, so it reserves min(that, remaining_slot_need): the bound can only lower the reservation, and
+    the ratio / CLIP estimate still applies when it is the smaller. The same method prices a preempted request
+    (preempt_to_schedule), so preemption accounting stays consistent.
+    """
+    reserved = original(adder, req, *args, **kwargs)
+    runtime = _runtime
+    if runtime is None or wants_dense(req):
+        return reserved
+    need = running_request_need(req, runtime.cfg, dense=False)
+    return reserved if need is None else min(reserved, need)
+
+
+def _new_request_credit(adder: Any, req: Any) -> int:
+    """How much less than SGLang's min(max_new_tokens, CLIP) a waiting request needs to reserve for its decode."""
+    runtime = _runtime
+    if runtime is None or wants_dense(req) or adder.dllm_config is not None:  # dLLM reserves no decode tokens
+        return 0
+    from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
+
+    sglang_reserved = min(req.sampling_params.max_new_tokens, CLIP_MAX_NEW_TOKENS)
+    return max(0, sglang_reserved - new_request_decode_reservation(req, runtime.cfg, dense=False))
+
+
+def around_add_one_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrefillAdder.add_one_req (AROUND): admit a compressed request on its budget-bounded reservation.
+
+    add_one_req both tests `prompt + min(max_new_tokens, CLIP) < rem_total_tokens` and, on success, adds that
+    amount to rem_total_token_offset (through _update_prefill_budget). Lowering the offset by the credit first makes
+    both use prompt + our bound, without copying SGLang's admission logic. The credit is kept only if the whole
+    prompt was admitted (SGLang then reserved the decode tokens); a refused request or a first chunk (which reserves
+    no decode tokens) gives it back, and a chunk's budget state is recomputed without it.
+    """
+    credit = _new_request_credit(adder, req)
+    if credit == 0:
+        return original(adder, req, *args, **kwargs)
+    admitted_before = len(adder.can_run_list)
+    adder.rem_total_token_offset -= credit
+    result = original(adder, req, *args, **kwargs)
+    admitted = len(adder.can_run_list) > admitted_before
+    if not admitted or adder.new_chunked_req is req:
+        adder.rem_total_token_offset += credit
+        if admitted:
+            result = adder.budget_state()
+    return result
+
+
+def around_add_chunked_req(original: Callable, adder: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrefillAdder.add_chunked_req (AROUND): the last chunk of a prompt reserves the budget bound.
+
+    SGLang reserves min(max_new_tokens, CLIP) only when this chunk completes the prompt (it returns None then).
+    The credit is applied after the call, so the chunk length SGLang chooses from rem_total_tokens is unchanged.
+    """
+    result = original(adder, req, *args, **kwargs)
+    if result is None:
+        adder.rem_total_token_offset -= _new_request_credit(adder, req)
+    return result
+
+
+def around_check_decode_mem(original: Callable, batch: Any, selected_indices: list[int] | None = None) -> bool:
+    """ScheduleBatch.check_decode_mem (AROUND): count the slots our compaction frees before the next allocation.
+
+    SGLang retracts requests when the free pool cannot hold one new slot per request. Our prepare_for_decode hook
+    compacts every request at its trigger before SGLang allocates, so those slots are free by then. Without this,
+    a pool filled to the budget peaks that admission now allows would retract requests (dense re-prefill) exactly
+    when compaction was about to make room. retract_decode re-checks through this method, so it retracts only
+    what is really short.
+    """
+    if original(batch, selected_indices=selected_indices):
+        return True
+    runtime = _runtime
+    if runtime is None or not batch.spec_algorithm.is_none():
+        return False
+    reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
+    freed = sum(slots_freed_by_next_compaction(r.kv_committed_len, len(r.output_ids), runtime.cfg, wants_dense(r))
+                for r in reqs)
+    needed = batch.new_tokens_required_next_decode(selected_indices)
+    return batch.token_to_kv_pool_allocator.available_size() + freed >= needed
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # Where each hook goes (targets are checked against the pinned source by sglang_patches.contract)
 # ------------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -132,6 +220,11 @@ HOOKS: tuple[HookSpec, ...] = (
     HookSpec("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", after_forward_batch_init_new, "AFTER"),
     HookSpec("sglang.srt.managers.scheduler.Scheduler.flush_cache", after_flush_cache, "AFTER"),
     HookSpec("sglang.srt.managers.schedule_batch.Req.reset_for_retract", after_reset_for_retract, "AFTER"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
+             around_running_request_offset, "AROUND"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", around_add_one_req, "AROUND"),
+    HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_chunked_req", around_add_chunked_req, "AROUND"),
+    HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.check_decode_mem", around_check_decode_mem, "AROUND"),
 )
 
 

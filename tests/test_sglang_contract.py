@@ -68,3 +68,17 @@ def test_contract_detects_missing_symbols_and_names(package_dir, tmp_path, monke
 def test_cli_reports_ok_on_the_pinned_source(package_dir, capsys):
     assert contract.main(["--source", str(package_dir.parent)]) == 0
     assert "OK" in capsys.readouterr().out
+
+
+def test_contract_detects_a_changed_admission_reservation(package_dir, tmp_path):
+    """The admission hooks take min(SGLang's running reservation, our bound): a rewritten formula must be flagged."""
+    rel = "srt/managers/schedule_policy.py"
+    (tmp_path / rel).parent.mkdir(parents=True)
+    text = (package_dir / rel).read_text()
+    old = "(req.sampling_params.max_new_tokens - len(req.output_ids))"
+    assert text.count(old) == 1
+    (tmp_path / rel).write_text(text.replace(old, "(req.sampling_params.max_new_tokens)"))
+    check = next(c for c in CHECKS if c.symbol == "PrefillAdder._get_running_request_total_token_offset")
+    assert run_check(check, package_dir) == []
+    problems = run_check(check, tmp_path)
+    assert len(problems) == 1 and old in problems[0]

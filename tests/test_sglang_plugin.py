@@ -224,6 +224,10 @@ def test_sglang_hook_registry_applies_every_hook(monkeypatch):
 
     from sglang_patches.plugin import register
 
+    for spec in HOOKS:  # monkeypatch restores the unhooked attributes at teardown: no double wrapping later
+        owner, name = spec.target.rsplit(".", 1)
+        cls = pkgutil.resolve_name(owner)
+        monkeypatch.setattr(cls, name, cls.__dict__[name])
     monkeypatch.setenv(ENV_VAR, encode_config(CFG))
     HookRegistry.reset()
     register()
@@ -250,6 +254,7 @@ def test_sglang_hook_registry_applies_every_hook(monkeypatch):
     with pytest.raises(SparseKVPreconditionError, match="were not applied"):
         hooks.verify_hooks_applied()
     HookRegistry._patched.add(HOOKS[0].target)
+    HookRegistry.reset()
 
 
 @pytest.mark.sglang
