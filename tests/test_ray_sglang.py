@@ -270,8 +270,12 @@ def test_engine_killed_mid_rollout_is_restarted_and_its_prompts_resent(backends,
                 state = fetch_state(url)
                 assert state.weight_version == str(version) and len(state.joined) == 2
                 assert all(torch.equal(state.weights[n], t) for n, t in target.items())
-            # the surviving engine dropped the replaced group on its server
-            assert fetch_state(urls[0]).requests_to("/destroy_weights_update_group")
+            # both servers left the replaced group: the surviving engine's through its actor, the restarted engine's
+            # (attached, so it outlived the actor that joined it) through the replacement actor
+            first_group = fetch_state(urls[0]).joined[0]
+            for url in urls:
+                left = fetch_state(url).requests_to("/destroy_weights_update_group")
+                assert [r["group_name"] for r in left] == [first_group["group_name"]], url
         finally:
             if group is not None:
                 group.close()

@@ -140,7 +140,9 @@ class EngineWorker:
     def resume_memory(self) -> None:
         self.engine.resume_memory()
 
-    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str, prefix: str) -> None:
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str, prefix: str,
+                        replaces: str | None = None) -> None:
+        """Join the group `prefix` as `rank` (the group it replaces, if any, went with this actor's old object)."""
         from datetime import timedelta
 
         import torch.distributed as dist
@@ -344,7 +346,7 @@ class RayRolloutGroup:
         if self._sync_members != members:
             if self._sync_members is not None and self._sync_members[0] is source:
                 get(source.drop_sync_group.remote(self._sync_name), "drop weight-sync group", self.timeout_s)
-            self._sync_name = self._join_sync_group(source)
+            self._sync_name = self._join_sync_group(source, replaces=self._sync_name)
             self._sync_members = members
             bucket_bytes = self.cfg.cluster.update_weight_buffer_size
             self._plan = get(source.weight_plan.remote(bucket_bytes), "weight plan", self.timeout_s)
@@ -354,16 +356,17 @@ class RayRolloutGroup:
         refs += [e.receive_weights.remote(self._plan, version) for e in self.engines]
         return get_each(refs, "weight sync (broadcast)", self.timeout_s)  # [sent, received by each engine]
 
-    def _join_sync_group(self, source) -> str:
+    def _join_sync_group(self, source, replaces: str | None = None) -> str:
         """Form a new weight-sync group: the source (rank 0) and every engine's members (the actor itself, or each
-        of its SGLang servers), ranks numbered engine after engine; returns its name."""
+        of its SGLang servers), ranks numbered engine after engine; returns its name. `replaces`: the group it
+        supersedes, which members that outlive their actor (attached SGLang servers) must leave."""
         name = f"weight-sync-{uuid.uuid4().hex[:12]}"
         counts = get_each([e.num_sync_ranks.remote() for e in self.engines], "weight-sync members", self.timeout_s)
         world = 1 + sum(counts)
         first_ranks = [1 + sum(counts[:i]) for i in range(len(counts))]
         host, port = get(source.open_sync_store.remote(name, world), "weight-sync rendezvous", self.timeout_s)
         refs = [source.join_sync_group.remote(name, world, self.backend)]
-        refs += [e.join_sync_group.remote(host, port, rank, world, self.backend, name)
+        refs += [e.join_sync_group.remote(host, port, rank, world, self.backend, name, replaces=replaces)
                  for e, rank in zip(self.engines, first_ranks)]
         get_each(refs, "weight-sync group", self.timeout_s)
         return name

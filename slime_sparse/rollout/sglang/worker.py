@@ -99,6 +99,7 @@ class SGLangEngineWorker:
             weight_sync=TensorWeightSync(cfg.cluster.update_weight_buffer_size),
         )
         self._group_name: str | None = None  # the broadcast group the servers are in
+        self._attached = sg.attached  # servers that outlive this actor (and keep its groups)
         self._released = False
 
     def ready(self) -> int:
@@ -122,11 +123,15 @@ class SGLangEngineWorker:
         self.engine.update_weights(state_dict, version)
         return self.engine.weight_version
 
-    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str, prefix: str) -> None:
+    def join_sync_group(self, host: str, port: int, rank: int, world_size: int, backend: str, prefix: str,
+                        replaces: str | None = None) -> None:
         """Every server joins the group `prefix` of learner rank 0 (SGLang's /init_weights_update_group), server j
-        as rank `rank + j`; returns once the whole group is formed."""
-        if self._group_name is not None:
-            self._leave_group(self._group_name)
+        as rank `rank + j`; returns once the whole group is formed. The servers first leave the group being
+        replaced: the one they joined through this actor, or, for attached servers of a restarted actor,
+        `replaces` (joined through the actor that died)."""
+        stale = self._group_name or (replaces if self._attached else None)
+        if stale is not None:
+            self._leave_group(stale)
         clients = self.engine.clients
         in_parallel([lambda c=c, j=j: c.init_weights_update_group(host, port, rank + j, world_size, prefix, backend)
                      for j, c in enumerate(clients)])
