@@ -56,10 +56,12 @@ RECIPE = [
 ]
 
 
-def summary_table(run_dir: str) -> str:
-    rows = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "rollout/reward_mean" in r]
-    evals = {}
-    for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")):
+def summarize(run_dir: str) -> tuple[list[tuple[str, float, float, str]], str]:
+    """(label, start, end, format) per metric of a finished run, and a footnote saying what start/end mean."""
+    records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = [r for r in records if "rollout/reward_mean" in r]
+    evals: dict[str, dict[int, float]] = {}
+    for r in records:
         for mode in ("dense", "sparse"):
             if f"eval_{mode}/pass@1" in r:
                 evals.setdefault(mode, {})[r["step"]] = r[f"eval_{mode}/pass@1"]
@@ -70,21 +72,26 @@ def summary_table(run_dir: str) -> str:
 
     k = max(1, len(rows) // 4)  # first / last quarter of the run, to average out sampling noise
     first, last = rows[:k], rows[-k:]
-    lines = [f"{'metric':<40} {'start':>10} {'end':>10}", "-" * 62]
-    lines.append(f"{'rollout reward (temperature 1)':<40} {mean('rollout/reward_mean', first):>10.3f} "
-                 f"{mean('rollout/reward_mean', last):>10.3f}")
+    out = [("rollout reward (temperature 1)", mean("rollout/reward_mean", first), mean("rollout/reward_mean", last),
+            ".3f")]
     for mode, label in (("dense", "eval accuracy, dense inference (greedy)"),
                         ("sparse", "eval accuracy, sparse inference (greedy)")):
         if mode in evals:
             steps = sorted(evals[mode])
-            lines.append(f"{label:<40} {evals[mode][steps[0]]:>10.3f} {evals[mode][steps[-1]]:>10.3f}")
+            out.append((label, evals[mode][steps[0]], evals[mode][steps[-1]], ".3f"))
     for key, label in (("kv/savings", "KV token savings"), ("correction/seq_reject_rate", "sequence rejection rate"),
                        ("correction/token_reject_rate", "token rejection rate"), ("pg_clipfrac", "PPO clip fraction"),
                        ("mismatch/k3", "mismatch KL k3 (pi_old || pi_sparse)"), ("mismatch/k1", "mismatch KL k1"),
                        ("rollout/response_len_mean", "response length")):
-        lines.append(f"{label:<40} {mean(key, first):>10.4f} {mean(key, last):>10.4f}")
-    lines.append(f"({len(rows)} rollouts; start/end = mean of the first/last {k})")
-    return "\n".join(lines)
+        out.append((label, mean(key, first), mean(key, last), ".4f"))
+    return out, f"({len(rows)} rollouts; start/end = mean of the first/last {k})"
+
+
+def summary_table(run_dir: str) -> str:
+    metrics, footnote = summarize(run_dir)
+    lines = [f"{'metric':<40} {'start':>10} {'end':>10}", "-" * 62]
+    lines += [f"{label:<40} {start:>10{fmt}} {end:>10{fmt}}" for label, start, end, fmt in metrics]
+    return "\n".join([*lines, footnote])
 
 
 def main(argv: list[str] | None = None) -> int:
