@@ -8,6 +8,7 @@ broadcast buckets as SGLang's update_weights_from_distributed does. References: 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -281,3 +282,49 @@ def test_engine_killed_mid_rollout_is_restarted_and_its_prompts_resent(backends,
                 group.close()
             cluster.close()
 
+
+
+# ------------------------------------------------------------------------------------ the training loop end to end
+
+
+def digit_share_reward(response: str, label, **kwargs) -> float:
+    """Share of digits in the response: differs between the fakes' samples, so advantages (and updates) are not 0."""
+    return sum(c.isdigit() for c in response) / max(len(response), 1)
+
+
+def test_training_loop_on_sglang_engines_syncs_evaluates_and_resumes(local_ray, assets, tmp_path):
+    """slime_sparse.train.main with --rollout-engine sglang --use-ray on two attached fake servers: every rollout's
+    weights reach both servers by broadcast (their final weights are the last checkpoint's, bit for bit), dense
+    evaluation runs on the same servers with the opt-out, and rerunning the command resumes where it stopped."""
+    from safetensors.torch import load_file
+
+    from slime_sparse.train import main
+
+    run = tmp_path / "run"
+    with fake_server_processes(2) as urls:
+        def command(num_rollout: int) -> list[str]:
+            return [*flags(assets, urls), "--prompt-data", str(assets.train_path), "--run-dir", str(run),
+                    "--eval-prompt-data", str(assets.test_path), "--eval-interval", "2", "--save-interval", "1",
+                    "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--global-batch-size", "4",
+                    "--rollout-max-response-len", "6", "--num-rollout", str(num_rollout), "--rm-num-workers", "0",
+                    "--custom-rm-path", f"{__name__}:digit_share_reward", "--no-use-tensorboard", "--no-progress-bar"]
+
+        assert main(command(2)) == 0
+        assert main(command(3)) == 0  # resumed from rollout 2's checkpoint, one more rollout
+
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        rollouts = [r for r in rows if "rollout/reward_mean" in r]
+        assert [r["step"] for r in rollouts] == [1, 2, 3]
+        assert all(0 < r["kv/savings"] < 1 for r in rollouts)  # the servers' sparse_kv_kept accounting came back
+        assert any("eval_dense/pass@1" in r for r in rows) and any("eval_sparse/pass@1" in r for r in rows)
+
+        final = load_file(str(run / "checkpoints" / "rollout_000003" / "model" / "model.safetensors"))
+        for url in urls:
+            state = fetch_state(url)
+            # the checkpoint stores a tied lm_head once; the sync sends the model's full state dict
+            assert set(state.weights) - set(final) <= {"lm_head.weight"} and set(final) <= set(state.weights)
+            final.setdefault("lm_head.weight", final["model.embed_tokens.weight"])
+            assert all(torch.equal(state.weights[n], final[n]) for n in state.weights), url
+            generate = state.requests_to("/generate")
+            dense = [r for r in generate if (r["sampling_params"].get("custom_params") or {}).get(DENSE_REQUEST_PARAM)]
+            assert dense and len(dense) < len(generate)  # evaluation opted out; rollouts did not
