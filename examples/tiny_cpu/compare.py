@@ -29,7 +29,7 @@ def compare_table(results: dict[str, list[list[tuple[str, float, float, str]]]])
         for seed in seeds:
             for label, _, _, fmt in seed:
                 labels.setdefault(label, fmt)
-    width = 26
+    width = 28
     lines = [f"{'metric (end of training)':<40}" + "".join(f"{v:>{width}}" for v in variants),
              "-" * (40 + width * len(variants))]
     for label, fmt in labels.items():
