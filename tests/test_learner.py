@@ -132,3 +132,24 @@ def test_missing_inputs_are_clear_errors():
         lrn.train_step(batch)
     with pytest.raises(ValueError, match="reference"):
         lrn.compute_logprobs(batch.tokens, batch.response_lens, ref=True)
+
+
+def test_weight_decay_follows_megatrons_rule():
+    """With zero gradients AdamW's step is pure decoupled decay: matrices shrink by lr * wd, biases and norm
+    weights (1-D) stay, as Megatron's optimizer does it (so --weight-decay means one thing on every backend)."""
+    model = tiny_model()
+    lr, wd = 0.1, 0.5
+    lrn = EmbeddedLearner(model, LossConfig(), lr=lr, weight_decay=wd)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lrn.optimizer.step()
+    decayed = kept = 0
+    for name, p in model.named_parameters():
+        if p.ndim == 1:  # norms and the q/k/v biases of Qwen2
+            torch.testing.assert_close(p, before[name], rtol=0, atol=0, msg=name)
+            kept += 1
+        else:
+            torch.testing.assert_close(p, before[name] * (1 - lr * wd), rtol=1e-6, atol=0, msg=name)
+            decayed += 1
+    assert decayed and kept

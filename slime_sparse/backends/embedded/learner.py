@@ -15,6 +15,7 @@ from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right, recompute_logprobs, response_logprobs
+from slime_sparse.backends.optimizer import adamw
 from slime_sparse.utils.checkpoint import load_training_state, save_training_state
 
 
@@ -53,8 +54,7 @@ class EmbeddedLearner:
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        self.optimizer = adamw(model.named_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(warmup_iters))
         self.step = 0
 

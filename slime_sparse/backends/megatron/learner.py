@@ -42,6 +42,7 @@ from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right
+from slime_sparse.backends.optimizer import adamw
 from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_state, training_checkpoint_dir
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
@@ -146,8 +147,8 @@ class MegatronLearner:
         if self.on_gpu:
             self._setup_gpu_training()
         else:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(params, lr=lr_at(0, optim), betas=optim.betas, weight_decay=optim.weight_decay)
+            self.optimizer = adamw(self.model.named_parameters(), lr=lr_at(0, optim), betas=optim.betas,
+                                   weight_decay=optim.weight_decay)
 
     # ---- model -------------------------------------------------------------------------------
     def _build_and_load(self, hf_dir: str | None) -> torch.nn.Module:
