@@ -27,3 +27,12 @@ def tiny_assets(tmp_path_factory):
         return build_assets(tmp_path_factory.getbasetemp() / "tiny_assets", cfg, log=None)
 
     return build
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs around one test module."""
+    ray = pytest.importorskip("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()

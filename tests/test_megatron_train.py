@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 pytest.importorskip("megatron.core")
+from tiny_runs import rollout_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from slime_sparse.backends.megatron.learner import MegatronConfig  # noqa: E402
@@ -75,11 +76,6 @@ def embedded_run(assets, tmp_path_factory):
     run = tmp_path_factory.mktemp("embedded") / "run"
     assert main(args(assets, run, 3)) == 0
     return run
-
-
-def rollout_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "rollout/reward_mean" in r]
 
 
 def checkpoint(run_dir, step):
@@ -167,14 +163,6 @@ def test_resume_errors_name_the_problem(assets, embedded_run, tmp_path):
         assert sorted(os.listdir(tmp_path / "ckpt")) == ["from_two_ranks", "latest", "rollout_000001"]
     finally:
         learner.close()
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.mark.ray

@@ -171,13 +171,6 @@ def test_gloo_sync_roundtrip_and_version_check():
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def assets(tiny_assets):
     return tiny_assets(n_train=16)
 

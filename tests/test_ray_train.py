@@ -16,6 +16,13 @@ from safetensors.torch import load_file
 ray = pytest.importorskip("ray")
 
 from slime_sparse.train import main  # noqa: E402
+from tiny_runs import rollout_rows, run_args  # noqa: E402
+
+
+def args(assets, run_dir, num_rollout, *extra):
+    """The shared tiny command, evaluated on 2 prompts."""
+    return run_args(assets, run_dir, num_rollout, "--eval-prompt-data", str(assets.test_path),
+                    "--eval-max-prompts", "2", *extra)
 
 pytestmark = pytest.mark.ray
 
@@ -24,33 +31,8 @@ RAY_FLAGS = ["--use-ray", "--actor-num-gpus-per-node", "2", "--rollout-num-gpus"
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def assets(tiny_assets):
     return tiny_assets(n_train=64)
-
-
-def args(assets, run_dir, num_rollout, *extra):
-    return [
-        "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
-        "--eval-prompt-data", str(assets.test_path), "--eval-max-prompts", "2",
-        "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward", "--rm-num-workers", "0",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "4",
-        "--rollout-max-response-len", "24", "--kv-method", "rkv", "--kv-budget", "16", "--kv-buffer", "4",
-        "--kv-window", "4", "--correction-preset", "mis", "--use-kl-loss", "--kl-loss-coef", "1e-3",
-        "--lr", "1e-3", "--num-rollout", str(num_rollout), "--run-dir", str(run_dir), "--save-interval", "1",
-        "--no-use-tensorboard", "--no-progress-bar", *extra,
-    ]
-
-
-def rollout_rows(run_dir):
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "rollout/reward_mean" in r]
 
 
 def final_weights(run_dir, step):

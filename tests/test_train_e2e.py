@@ -7,6 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from slime_sparse.train import main
+from tiny_runs import read_metrics
+from tiny_runs import run_args as args
 
 # every metric family the run must log (design.md section 2)
 REQUIRED = [
@@ -21,22 +23,6 @@ REQUIRED = [
 @pytest.fixture(scope="module")
 def assets(tiny_assets):
     return tiny_assets(n_train=64)
-
-
-def args(assets, run_dir, num_rollout, *extra):
-    return [
-        "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
-        "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward", "--rm-num-workers", "0",
-        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "4",
-        "--rollout-max-response-len", "24", "--kv-method", "rkv", "--kv-budget", "16", "--kv-buffer", "4",
-        "--kv-window", "4", "--correction-preset", "mis", "--use-kl-loss", "--kl-loss-coef", "1e-3",
-        "--lr", "1e-3", "--num-rollout", str(num_rollout), "--run-dir", str(run_dir), "--save-interval", "1",
-        "--no-use-tensorboard", "--no-progress-bar", *extra,
-    ]
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_metrics_present_and_finite(assets, tmp_path):

@@ -1,0 +1,26 @@
+"""The tiny training command the end-to-end tests share, and readers of what a run writes."""
+from __future__ import annotations
+
+import json
+
+
+def run_args(assets, run_dir, num_rollout: int, *extra: str) -> list[str]:
+    """slime_sparse.train flags: the tiny task, R-KV rollouts with the `mis` correction and the KL loss,
+    2 prompts x 4 samples a rollout, a checkpoint after every rollout; `extra` flags come last (they win)."""
+    return [
+        "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
+        "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward", "--rm-num-workers", "0",
+        "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--global-batch-size", "4",
+        "--rollout-max-response-len", "24", "--kv-method", "rkv", "--kv-budget", "16", "--kv-buffer", "4",
+        "--kv-window", "4", "--correction-preset", "mis", "--use-kl-loss", "--kl-loss-coef", "1e-3",
+        "--lr", "1e-3", "--num-rollout", str(num_rollout), "--run-dir", str(run_dir), "--save-interval", "1",
+        "--no-use-tensorboard", "--no-progress-bar", *extra,
+    ]
+
+
+def read_metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def rollout_rows(run_dir) -> list[dict]:
+    return [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
