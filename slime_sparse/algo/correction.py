@@ -37,6 +37,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import Tensor
 
+from .metrics import mismatch_inputs
+
 # The reference code skips batch normalisation below this mean weight (avoids dividing by ~0).
 _BATCH_NORM_MIN_MEAN = 1e-8
 
@@ -174,15 +176,8 @@ def sparsity_correction(
         over kept tokens.
     """
     cfg.validate()
-    if not (logp_old.shape == logp_sparse.shape == mask.shape) or mask.dim() != 2:
-        raise ValueError(
-            "logp_old, logp_sparse and mask must share one [B, T] shape, got "
-            f"{tuple(logp_old.shape)}, {tuple(logp_sparse.shape)}, {tuple(mask.shape)}"
-        )
-    dtype = torch.promote_types(torch.promote_types(logp_old.dtype, logp_sparse.dtype), torch.float32)
-    old = logp_old.detach().to(dtype)
-    sparse = logp_sparse.detach().to(dtype)
-    orig = mask > 0
+    old, sparse, orig = mismatch_inputs(logp_old, logp_sparse, mask)
+    dtype = old.dtype
 
     # A sequence with any non-finite value at a response position cannot be judged: reject it whole.
     raw_log_xi = old - sparse

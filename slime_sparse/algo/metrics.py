@@ -16,6 +16,18 @@ from slime_sparse.types import KVStats
 _LOG_RATIO_CLAMP = 20.0
 
 
+def mismatch_inputs(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(pi_old, pi_sparse) log-probs detached in a float dtype of at least 32 bits, and the bool mask; ValueError
+    unless all three share one [B, T] shape. The inputs of everything that compares the two policies."""
+    if not (logp_old.shape == logp_sparse.shape == mask.shape) or mask.dim() != 2:
+        raise ValueError(
+            "logp_old, logp_sparse and mask must share one [B, T] shape, got "
+            f"{tuple(logp_old.shape)}, {tuple(logp_sparse.shape)}, {tuple(mask.shape)}"
+        )
+    dtype = torch.promote_types(torch.promote_types(logp_old.dtype, logp_sparse.dtype), torch.float32)
+    return logp_old.detach().to(dtype), logp_sparse.detach().to(dtype), mask > 0
+
+
 def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the sampler (pi_sparse) is from the dense policy (pi_old) on the sampled tokens.
 
@@ -37,15 +49,8 @@ def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dic
     In k3 and chi2_token, log xi is clamped to [-20, 20] before exp so one absurd token cannot make
     the metric inf.
     """
-    if not (logp_old.shape == logp_sparse.shape == mask.shape) or mask.dim() != 2:
-        raise ValueError(
-            "logp_old, logp_sparse and mask must share one [B, T] shape, got "
-            f"{tuple(logp_old.shape)}, {tuple(logp_sparse.shape)}, {tuple(mask.shape)}"
-        )
-    f = torch.promote_types(torch.promote_types(logp_old.dtype, logp_sparse.dtype), torch.float32)
-    old = logp_old.detach().to(f)
-    sparse = logp_sparse.detach().to(f)
-    on = mask > 0
+    old, sparse, on = mismatch_inputs(logp_old, logp_sparse, mask)
+    f = old.dtype
     finite = torch.isfinite(old) & torch.isfinite(sparse)
     valid = on & finite
     zero = torch.zeros((), dtype=f, device=old.device)
