@@ -1,0 +1,136 @@
+"""Back-of-the-envelope memory plans: what a budgeted KV cache buys a rollout server, what a learner holds.
+
+Pure arithmetic on an HF config, so a run can be sized before any GPU is touched (`tools/plan_memory.py`).
+The rollout numbers follow the engines exactly where they can:
+- the peak number of KV slots a request holds is the one SGLang's admission control reserves under our
+  plugin (`sglang_patches.admission.remaining_slot_need`: dense = prompt + max_new - 1, budgeted =
+  max(prefilled prompt, budget + buffer) capped by the dense value); the embedded engine prefills in
+  chunks under the bound, so its slots per row are min(prompt + max_new, budget + buffer);
+- KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes, the layout of both
+  engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer.
+The learner numbers are the standard mixed-precision accounting (weights, fp32 gradients, fp32 master
+weights and Adam moments, the last two sharded over data parallelism by Megatron's distributed optimizer);
+activations depend on micro-batch shapes and recomputation and are left out.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from slime_sparse.kv import KVCompressConfig
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The architecture facts memory depends on (Qwen2 / Llama style decoder)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelShape":
+        try:
+            heads = int(config["num_attention_heads"])
+            hidden = int(config["hidden_size"])
+            return cls(
+                num_layers=int(config["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
+                num_kv_heads=int(config.get("num_key_value_heads") or heads),
+                head_dim=int(config.get("head_dim") or hidden // heads),
+                intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias
+                attention_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"HF config lacks {exc.args[0]!r}, needed to plan memory") from None
+
+    def num_parameters(self) -> int:
+        h, d, kv = self.hidden_size, self.head_dim, self.num_kv_heads
+        attn = h * self.num_heads * d + 2 * h * kv * d + self.num_heads * d * h
+        if self.attention_bias:
+            attn += self.num_heads * d + 2 * kv * d
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embeddings + h  # + the final norm
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def query_ring_bytes(self, window: int, dtype_bytes: int) -> int:
+        """The plugin's per-request ring of `window` post-RoPE queries, over all layers."""
+        return self.num_layers * window * self.num_heads * self.head_dim * dtype_bytes
+
+
+def peak_kv_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None, engine: str = "sglang") -> int:
+    """Most KV slots one request holds at any time on `engine` ("sglang" or "embedded")."""
+    if prompt_len < 1 or max_new_tokens < 1:
+        raise ValueError(f"prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
+    compressing = kv is not None and kv.enabled
+    if engine == "embedded":
+        dense = prompt_len + max_new_tokens
+        return min(dense, kv.budget + kv.buffer) if compressing else dense
+    if engine != "sglang":
+        raise ValueError(f"engine must be 'sglang' or 'embedded', got {engine!r}")
+    from sglang_patches.admission import remaining_slot_need
+
+    cfg = kv if compressing else KVCompressConfig(method="none")
+    return remaining_slot_need(prompt_len, 0, 0, max_new_tokens, cfg, dense=not compressing)
+
+
+@dataclass(frozen=True)
+class RolloutPlan:
+    weight_bytes: int
+    kv_pool_bytes: int  # what SGLang's static memory leaves for the KV pool (and our query rings)
+    kv_bytes_per_token: int
+    peak_slots: int  # per request
+    bytes_per_request: int  # its peak KV, plus its query ring when compressing
+    max_requests: int  # requests whose peak fits the pool at once
+
+    @property
+    def kv_pool_tokens(self) -> int:
+        return self.kv_pool_bytes // self.kv_bytes_per_token
+
+
+def plan_rollout(shape: ModelShape, *, gpu_bytes: int, mem_fraction_static: float, dtype_bytes: int,
+                 prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None) -> RolloutPlan:
+    """One TP-1 SGLang server: SGLang keeps `mem_fraction_static` of the GPU for weights + KV pool."""
+    if not 0 < mem_fraction_static <= 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1], got {mem_fraction_static}")
+    weights = shape.num_parameters() * dtype_bytes
+    pool = int(gpu_bytes * mem_fraction_static) - weights
+    if pool <= 0:
+        raise ValueError(f"the weights ({weights / GIB:.1f} GiB) do not fit in {mem_fraction_static} of "
+                         f"{gpu_bytes / GIB:.1f} GiB")
+    per_token = shape.kv_bytes_per_token(dtype_bytes)
+    peak = peak_kv_slots(prompt_len, max_new_tokens, kv)
+    per_request = peak * per_token
+    if kv is not None and kv.enabled:
+        per_request += shape.query_ring_bytes(kv.window, dtype_bytes)
+    return RolloutPlan(weights, pool, per_token, peak, per_request, pool // per_request)
+
+
+@dataclass(frozen=True)
+class LearnerPlan:
+    tp: int
+    pp: int
+    dp: int
+    bytes_per_gpu: int  # weights + gradients + optimizer (+ frozen reference), activations excluded
+
+
+def plan_learner(shape: ModelShape, *, tp: int, pp: int, dp: int, with_ref: bool = False) -> LearnerPlan:
+    """Megatron, bf16 weights, fp32 gradients, distributed optimizer (fp32 master + Adam m, v sharded over DP)."""
+    if min(tp, pp, dp) < 1:
+        raise ValueError(f"tp, pp and dp must be >= 1, got {tp}, {pp}, {dp}")
+    per_rank_params = math.ceil(shape.num_parameters() / (tp * pp))
+    per_param = 2 + 4 + 12 / dp + (2 if with_ref else 0)
+    return LearnerPlan(tp, pp, dp, int(per_rank_params * per_param))
