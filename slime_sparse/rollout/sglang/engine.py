@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import torch
 
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.rollout.base import KVView
 from slime_sparse.ray.weight_sync import FlatPlan, flat_plan, new_group, open_store, require_newer, send_weights
+from slime_sparse.rollout.base import KVView
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput
 
