@@ -1,0 +1,52 @@
+"""The GPU recipes that cannot run here still parse, and fit the layout rules the Ray groups enforce at start-up."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from slime_sparse.config import load_config
+from slime_sparse.ray.layout import ClusterLayout
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+@pytest.fixture()
+def qwen25_7b(monkeypatch):
+    monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "multinode"))
+    import qwen25_7b
+
+    return qwen25_7b
+
+
+def test_qwen25_7b_recipe_parses_and_fits_its_layout(qwen25_7b, tmp_path, capsys):
+    ray_learner = pytest.importorskip("slime_sparse.ray.learner_group")  # needs ray
+    from slime_sparse.rollout.sglang.worker import check_ray_layout
+
+    model = tmp_path / "Qwen2.5-7B"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1?", "label": "2"}\n')
+    flags = qwen25_7b.train_flags(str(model), str(data), str(data), str(tmp_path / "run"))
+    cfg = load_config(["--use-ray", *flags])  # every flag known, every value valid
+
+    layout = ClusterLayout.from_config(cfg.cluster, use_gpu=True)
+    assert (layout.learner_ranks, layout.num_engines, layout.bundles_per_engine) == (8, 8, 1)
+    ray_learner.check_megatron_layout(cfg.megatron, layout.learner_ranks)
+    check_ray_layout(cfg, num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
+                     colocate=layout.colocate, use_gpu=True)
+    dp = layout.learner_ranks // cfg.megatron.tensor_model_parallel_size
+    samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
+    assert dp == 4 and samples // cfg.train.global_batch_size == 4 and cfg.train.global_batch_size % dp == 0
+    # the authors' settings (design.md section 2)
+    assert (cfg.kv.method, cfg.kv.budget, cfg.kv.buffer, cfg.kv.window) == ("rkv", 512, 128, 8)
+    assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_beta2) == (1e-6, 0.1, 0.98)
+    assert cfg.correction.preset == "mis" and cfg.loss.kl_loss_coef == 1e-4 and cfg.train.bf16
+
+    assert qwen25_7b.main(["--head", "10.0.0.1", "--model", str(model), "--data", str(data), "--eval-data",
+                           str(data), "--run-dir", "runs/x", "--dry-run", "--num-rollout", "3"]) == 0
+    printed = capsys.readouterr().out.split()
+    assert printed[2:4] == ["submit", "10.0.0.1"] and printed[-2:] == ["--num-rollout", "3"]
