@@ -9,7 +9,6 @@ loaded at another TP / PP layout; tokenizer files are kept beside it for the way
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -17,16 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf-dir", required=True, help="HF model directory (config.json + safetensors)")
-    parser.add_argument("--out-dir", required=True, help="where to write the Megatron checkpoint")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size to save at")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size to save at")
-    parser.add_argument("--dtype", default="bfloat16", help="parameter dtype: float32, bfloat16 or float16")
-    args = parser.parse_args(argv)
+    from slime_sparse.backends.megatron.convert import converter_parser, hf_to_megatron, hide_gpus
 
-    from slime_sparse.backends.megatron.convert import hf_to_megatron, hide_gpus
-
+    args = converter_parser(__doc__, "--hf-dir", "HF model directory (config.json + safetensors)", "to save at",
+                            "parameter dtype").parse_args(argv)
     hide_gpus()
     hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
     print(f"wrote Megatron checkpoint (TP={args.tp}, PP={args.pp}, {args.dtype}) to {args.out_dir}")

@@ -9,7 +9,6 @@ processes (gloo) load it. See slime_sparse/backends/megatron/README.md.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -17,16 +16,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--megatron-dir", required=True, help="Megatron checkpoint directory")
-    parser.add_argument("--out-dir", required=True, help="where to write the HF directory")
-    parser.add_argument("--tp", type=int, default=1, help="tensor-model-parallel size to load with")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size to load with")
-    parser.add_argument("--dtype", default="bfloat16", help="dtype of the written weights: float32, bfloat16 or float16")
-    args = parser.parse_args(argv)
+    from slime_sparse.backends.megatron.convert import converter_parser, hide_gpus, megatron_to_hf
 
-    from slime_sparse.backends.megatron.convert import hide_gpus, megatron_to_hf
-
+    args = converter_parser(__doc__, "--megatron-dir", "Megatron checkpoint directory", "to load with",
+                            "dtype of the written weights").parse_args(argv)
     hide_gpus()
     megatron_to_hf(args.megatron_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
     print(f"wrote HF checkpoint ({args.dtype}) to {args.out_dir}")

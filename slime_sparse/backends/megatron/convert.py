@@ -7,6 +7,7 @@ learner (or the reverse converter) at another.
 """
 from __future__ import annotations
 
+import argparse
 import os
 
 import torch
@@ -77,6 +78,19 @@ def megatron_to_hf(ckpt_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dty
     _check_layout(tp, pp)
     read_meta(ckpt_dir)  # clear error before starting processes
     spawn(_megatron_to_hf_worker, tp * pp, ckpt_dir, out_dir, tp, pp, parse_dtype(dtype))
+
+
+def converter_parser(description: str, source: str, source_help: str, layout_role: str,
+                     dtype_help: str) -> argparse.ArgumentParser:
+    """The converters' shared command line: `source` directory, --out-dir, --tp / --pp (`layout_role`: what the
+    layout is for) and --dtype."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(source, required=True, help=source_help)
+    parser.add_argument("--out-dir", required=True, help="where to write the result")
+    parser.add_argument("--tp", type=int, default=1, help=f"tensor-model-parallel size {layout_role}")
+    parser.add_argument("--pp", type=int, default=1, help=f"pipeline-model-parallel size {layout_role}")
+    parser.add_argument("--dtype", default="bfloat16", help=f"{dtype_help}: float32, bfloat16 or float16")
+    return parser
 
 
 def hide_gpus() -> None:
