@@ -6,9 +6,12 @@ metrics and weights. Every backend computes the loss with `slime_sparse.algo.pol
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Protocol
+from typing import Any, Iterator, Protocol
 
 import torch
+
+from slime_sparse.algo import LossConfig, policy_loss
+from slime_sparse.backends.logprobs import pad_right
 
 
 @dataclass
@@ -62,6 +65,30 @@ class TrainBatch:
             num_seqs=self.num_seqs,
             num_tokens=self.num_tokens,
         )
+
+
+def microbatch_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: TrainBatch, cfg: LossConfig,
+                    num_seqs: float, num_tokens: float) -> tuple[torch.Tensor, dict]:
+    """`algo.policy_loss` of one micro-batch from its current log-probs [B, R] (and entropies): the batch's
+    ragged per-token fields padded to [B, R] on the log-probs' device."""
+    dev = logp.device
+    pad = lambda xs: None if xs is None else pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
+    return policy_loss(logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), cfg,
+                       weights=pad(mb.weights), logp_ref=pad(mb.ref_logprobs), entropy=entropy,
+                       num_seqs=num_seqs, num_tokens=num_tokens)
+
+
+def sum_metrics(per_microbatch: list[dict[str, Any]]) -> dict[str, float]:
+    """One step's metrics from its micro-batches'. They are normalised by the step's global counts, like the
+    loss, so they add up; `loss/all_rejected` is 1 only if every micro-batch had nothing left to train on."""
+    totals: dict[str, float] = {"loss/all_rejected": 1.0}
+    for metrics in per_microbatch:
+        for k, v in metrics.items():
+            if k == "loss/all_rejected":
+                totals[k] = min(totals[k], float(v))
+            else:
+                totals[k] = totals.get(k, 0.0) + float(v)
+    return totals
 
 
 class Learner(Protocol):

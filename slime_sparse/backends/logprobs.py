@@ -69,8 +69,9 @@ def recompute_logprobs(
     max_tokens: int,
     forward: Callable[[torch.nn.Module, list[list[int]], list[int]], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """Dense pi_old / pi_ref recompute shared by the learners: micro-batches of at most `max_tokens`
-    (padded) tokens through `forward(model, tokens, response_lens) -> [B, R]`, one CPU fp32 row each."""
+    """Dense pi_old / pi_ref recompute of the embedded learner: micro-batches of at most `max_tokens`
+    (padded) tokens through `forward(model, tokens, response_lens) -> [B, R]`, one CPU fp32 row each.
+    (The Megatron learner packs micro-batches the same way but runs them through Megatron's schedule.)"""
     if model is None:
         raise ValueError("reference log-probs requested but the learner was built without a reference model")
     was_training = model.training

@@ -32,7 +32,7 @@ from slime_sparse.backends.batching import balance_by_tokens
 
 from .placement import RayCluster
 from .utils import ActorDied, get_each, with_absolute_paths
-from .weight_sync import Bucket, FlatPlan, new_group, plan_buckets, send_weights
+from .weight_sync import Bucket, FlatPlan, new_group, open_store, plan_buckets, send_weights
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,7 @@ class LearnerWorker:
     def open_store(self) -> tuple[str, int]:
         """Rank 0: host the rendezvous store of the data-parallel group (port chosen by the OS)."""
         host = ray.util.get_node_ip_address()
-        self._dp_store = dist.TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=self.timeout_s))
+        self._dp_store = open_store(host, self.world_size, self.timeout_s)
         return host, self._dp_store.port
 
     def setup(self, host: str, port: int) -> RankInfo:
@@ -183,8 +182,7 @@ class LearnerWorker:
     def open_sync_store(self, name: str, world_size: int) -> tuple[str, int]:
         """Host the rendezvous store of weight-sync group `name` ((this rank + engines) = `world_size`)."""
         host = ray.util.get_node_ip_address()
-        store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                              timeout=timedelta(seconds=self.timeout_s))
+        store = open_store(host, world_size, self.timeout_s)
         self._sync[name] = (store, None, "")
         return host, store.port
 

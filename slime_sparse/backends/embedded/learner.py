@@ -11,10 +11,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from slime_sparse.algo import LossConfig, policy_loss
-from slime_sparse.backends.base import TrainBatch
+from slime_sparse.algo import LossConfig
+from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
 from slime_sparse.backends.batching import pack_by_tokens
-from slime_sparse.backends.logprobs import pad_right, recompute_logprobs, response_logprobs
+from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
 from slime_sparse.backends.optimizer import adamw
 from slime_sparse.utils.checkpoint import load_training_state, save_training_state
 
@@ -75,36 +75,22 @@ class EmbeddedLearner:
         num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
-        all_rejected = 1.0
-        loss_total = 0.0
+        reported: list[dict] = []
         for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens):
             mb = batch.select(idx)
             logp, entropy = response_logprobs(self.model, mb.tokens, mb.response_lens, temperature=self.temperature,
                                               with_entropy=self.loss_cfg.entropy_coef != 0)
-            dev = logp.device
-            pad = lambda xs: pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
-            loss, metrics = policy_loss(
-                logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), self.loss_cfg,
-                weights=None if mb.weights is None else pad(mb.weights),
-                logp_ref=None if mb.ref_logprobs is None else pad(mb.ref_logprobs),
-                entropy=entropy, num_seqs=num_seqs, num_tokens=num_tokens,
-            )
+            loss, metrics = microbatch_loss(logp, entropy, mb, self.loss_cfg, num_seqs, num_tokens)
             loss.backward()
-            loss_total += loss.item()
-            # loss metrics are normalised by the step's global counts, like the loss: they add up
-            all_rejected = min(all_rejected, metrics.pop("loss/all_rejected", 0.0))
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + v
+            reported.append({**metrics, "train/loss": loss.item()})
         if dist.is_available() and dist.is_initialized():
             self._all_reduce_grads()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        out = {**totals, "loss/all_rejected": all_rejected}
-        out.update({"train/loss": loss_total, "train/grad_norm": float(grad_norm), "train/lr": self.scheduler.get_last_lr()[0]})
-        return out
+        return {"train/loss": 0.0, **sum_metrics(reported), "train/grad_norm": float(grad_norm),
+                "train/lr": self.scheduler.get_last_lr()[0]}
 
     def _all_reduce_grads(self) -> None:
         # loss was normalised by global counts: summing shard gradients gives the global gradient

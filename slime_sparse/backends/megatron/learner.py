@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from slime_sparse.algo import LossConfig, policy_loss
-from slime_sparse.backends.base import TrainBatch
+from slime_sparse.algo import LossConfig
+from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.backends.optimizer import adamw
@@ -285,14 +285,7 @@ class MegatronLearner:
             logits, input_ids, lengths, mb.response_lens, vocab_size=self.spec.vocab_size,
             temperature=self.temperature, with_entropy=self.loss_cfg.entropy_coef != 0,
         )
-        dev = logp.device
-        pad = lambda xs: pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
-        return policy_loss(
-            logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), self.loss_cfg,
-            weights=None if mb.weights is None else pad(mb.weights),
-            logp_ref=None if mb.ref_logprobs is None else pad(mb.ref_logprobs),
-            entropy=entropy, num_seqs=num_seqs, num_tokens=num_tokens,
-        )
+        return microbatch_loss(logp, entropy, mb, self.loss_cfg, num_seqs, num_tokens)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
@@ -320,7 +313,8 @@ class MegatronLearner:
             self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False)
         grad_norm = self._optimizer_step(lr)
         self.step += 1
-        return {**self._from_last_stage(sum_metrics(reported)), "train/grad_norm": grad_norm, "train/lr": lr}
+        totals = {"train/loss": 0.0, **sum_metrics(reported)}
+        return {**self._from_last_stage(totals), "train/grad_norm": grad_norm, "train/lr": lr}
 
     def _optimizer_step(self, lr: float) -> float:
         for group in self.optimizer.param_groups:
@@ -498,19 +492,6 @@ def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> N
         return torch.where(is_pad[..., None], output.detach(), output)
 
     embedding.word_embeddings.register_forward_hook(detach_pad_positions)
-
-
-def sum_metrics(per_microbatch: list[dict[str, Any]]) -> dict[str, float]:
-    """One step's metrics from its micro-batches'. They are normalised by the step's global counts, like the
-    loss, so they add up; `loss/all_rejected` is 1 only if every micro-batch had nothing left to train on."""
-    totals: dict[str, float] = {"loss/all_rejected": 1.0, "train/loss": 0.0}
-    for metrics in per_microbatch:
-        for k, v in metrics.items():
-            if k == "loss/all_rejected":
-                totals[k] = min(totals[k], float(v))
-            else:
-                totals[k] = totals.get(k, 0.0) + float(v)
-    return totals
 
 
 def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> float:
