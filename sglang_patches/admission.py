@@ -4,7 +4,7 @@ SGLang's scheduler admits a new request only if the free pool covers, for every 
 (`PrefillAdder`: running requests reserve min(max_new_tokens - generated, CLIP) * new_token_ratio, a new one its
 prompt plus min(max_new_tokens, CLIP)). That is right for a dense cache, but under our plugin a compressed request
 never holds more than max(its prefilled length, budget + buffer) slots: the cache is compacted back to B whenever
-it reaches B + buffer (compaction.should_compress, checked at every ScheduleBatch.prepare_for_decode). So what it
+it reaches B + buffer (slime_sparse.kv.schedule, asked at every ScheduleBatch.prepare_for_decode). So what it
 can still need is bounded by that peak minus what it holds now, however many tokens it may still generate.
 
 Slot bookkeeping of one request in SGLang (page_size 1), which the functions below follow exactly:
@@ -15,15 +15,14 @@ Slot bookkeeping of one request in SGLang (page_size 1), which the functions bel
 - the last output token is never written, so with n tokens generated and the prefill done the cache holds
   prompt_len + n - 1 slots densely, and max_new_tokens - n writes remain (SGLang's own count for running requests).
 
-Everything here is pure integer arithmetic; hooks.py reads the request fields and applies the results.
+Everything here is integer arithmetic over slime_sparse.kv.schedule's rule; hooks.py reads the request fields and
+applies the results.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from slime_sparse.kv import KVCompressConfig
-
-from .compaction import should_compress
+from slime_sparse.kv import KVCompressConfig, peak_slots, should_compress
 
 
 def _check_non_negative(**values: int) -> None:
@@ -67,14 +66,9 @@ def remaining_slot_need(
 def _decode_growth(generated: int, cache_len: int, max_new_tokens: int, cfg: KVCompressConfig, dense: bool) -> int:
     """Peak growth over the remaining decode steps, from a prefilled cache of cache_len slots."""
     steps = max(0, max_new_tokens - generated)  # one slot written per remaining decode step
-    if dense or not cfg.enabled or steps == 0:
+    if dense:
         return steps
-    cap = cfg.budget + cfg.buffer
-    # If the next step compacts first, the cache restarts from B; otherwise it grows from where it is. Either way
-    # it grows by one slot a step until it reaches the cap, where the following step compacts back to B (< cap).
-    start = cfg.budget if should_compress(cache_len, cfg, first_decode=generated == 1) else cache_len
-    peak = min(start + steps, cap)
-    return max(0, peak - cache_len)
+    return peak_slots(cache_len, steps, cfg, first_decode=generated == 1) - cache_len
 
 
 def decode_reservation_after_prefill(

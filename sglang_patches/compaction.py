@@ -18,19 +18,7 @@ from torch import Tensor
 
 from slime_sparse.kv import KVCompressConfig, compress_indices
 
-
-def should_compress(cache_len: int, cfg: KVCompressConfig, first_decode: bool = False) -> bool:
-    """The embedded engine's schedule (EmbeddedEngine._needs_compression): compress once the cache holds
-    budget + buffer tokens, so each sequence's cache cycles between B and B + buffer; SnapKV also compresses the
-    prompt to B right after prefill (here: before the first decode step, which reads the same tokens).
-
-    first_decode: the request's only output token so far came from its prefill.
-    """
-    if not cfg.enabled:
-        return False
-    if cache_len >= cfg.budget + cfg.buffer:
-        return True
-    return cfg.method == "snapkv" and first_decode and cache_len > cfg.budget
+# When to compress is slime_sparse.kv.schedule.should_compress (the embedded engine's rule too), asked by runtime.py.
 
 
 # --------------------------------------------------------------------------------------------------------------

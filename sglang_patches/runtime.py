@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from slime_sparse.kv import KVCompressConfig
+from slime_sparse.kv import KVCompressConfig, should_compress
 
 from .compaction import (
     append_kept_count,
@@ -27,7 +27,6 @@ from .compaction import (
     gather_window_queries,
     select_kept_slots,
     shift_positions,
-    should_compress,
     write_decode_queries,
     write_extend_queries,
 )

@@ -4,7 +4,7 @@ ScheduleBatch.check_decode_mem with our hooks installed by its HookRegistry (mar
 
 Reference for the arithmetic: a step-by-step simulation of one request's cache size under SGLang's bookkeeping
 (prefill writes the prompt, each decode step writes one slot) and the eviction trigger, written here from the
-README's rule, independently of sglang_patches.compaction.should_compress.
+README's rule, independently of slime_sparse.kv.schedule.
 """
 from __future__ import annotations
 

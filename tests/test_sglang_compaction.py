@@ -23,7 +23,6 @@ from sglang_patches.compaction import (
     append_kept_count,
     compact_row,
     gather_window_queries,
-    should_compress,
     shift_positions,
     window_ring_slots,
     write_decode_queries,
@@ -31,7 +30,7 @@ from sglang_patches.compaction import (
 )
 from sglang_patches.runtime import EVICTED_ATTR, KEPT_INFO_KEY, SparseKVRuntime, evicted_count, reset_request
 from sglang_patches.settings import DENSE_REQUEST_PARAM
-from slime_sparse.kv import KVCompressConfig, compress_indices
+from slime_sparse.kv import KVCompressConfig, compress_indices, should_compress
 
 L, HQ, HKV, D = 2, 4, 2, 8  # layers, query heads, KV heads, head dim
 MAX_LEN = 96
@@ -54,17 +53,6 @@ def test_window_ring_slots_are_oldest_first():
     assert window_ring_slots(10, 4).tolist() == [2, 3, 0, 1]  # positions 6, 7, 8, 9
     assert window_ring_slots(3, 4).tolist() == [0, 1, 2]  # fewer tokens than the window
     assert window_ring_slots(0, 4).tolist() == []
-
-
-def test_trigger_fires_at_budget_plus_buffer():
-    cfg = KVCompressConfig(method="rkv", budget=16, buffer=4, window=4, granularity="model")
-    assert not should_compress(19, cfg)
-    assert should_compress(20, cfg) and should_compress(50, cfg)
-    assert not should_compress(10_000, KVCompressConfig(method="none"))
-    snap = KVCompressConfig(method="snapkv", budget=16, buffer=4, window=4, granularity="model")
-    assert should_compress(17, snap, first_decode=True)  # SnapKV: the prompt is cut to B after prefill
-    assert not should_compress(16, snap, first_decode=True) and not should_compress(17, snap, first_decode=False)
-    assert not should_compress(17, cfg, first_decode=True)  # other methods wait for B + buffer
 
 
 def test_shift_positions_adds_evicted_per_request():

@@ -5,7 +5,7 @@ how many requests one SGLang server holds at once, and what the Megatron learner
     python tools/plan_memory.py --hf-config Qwen2.5-7B/config.json --gpu-gib 80 --prompt-len 512 \\
         --max-new-tokens 8192 --kv-method rkv --kv-budget 512 --kv-buffer 128 --learner-layouts 2x1x4 4x1x2
 
-Pure arithmetic (slime_sparse/utils/memory_plan.py): no GPU, no model weights, only config.json.
+Pure arithmetic (slime_sparse/kv/memory_plan.py): no GPU, no model weights, only config.json.
 Activations and CUDA graphs are not counted; treat the request counts as upper bounds.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from slime_sparse.kv import KVCompressConfig
-    from slime_sparse.utils.memory_plan import GIB, ModelShape, plan_learner, plan_rollout
+    from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_learner, plan_rollout
 
     path = os.path.join(args.hf_config, "config.json") if os.path.isdir(args.hf_config) else args.hf_config
     with open(path, encoding="utf-8") as f:

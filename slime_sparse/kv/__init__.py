@@ -1,9 +1,10 @@
-"""KV-cache compression shared by every engine: per-layer token scores and the choice of kept slots.
+"""KV-cache compression shared by every engine: per-layer token scores, the choice of kept slots, and when.
 
-Pure torch, no engine imports. An engine calls `compress_indices` (or `score_layer` + `select_kept`) on the
-cache of one sequence when its trigger fires and keeps the returned slots.
+Pure torch, no engine imports. An engine asks `schedule.should_compress` after each step and, when it says so,
+calls `compress_indices` (or `score_layer` + `select_kept`) on the cache of one sequence and keeps the returned slots.
 """
-from .config import GQA_REDUCTIONS, GRANULARITIES, METHODS, POOLINGS, KVCompressConfig
+from .config import GQA_REDUCTIONS, GRANULARITIES, METHODS, POOLINGS, TRAITS, KVCompressConfig, MethodTraits
+from .schedule import peak_slots, row_capacity, should_compress
 from .scoring import (
     PROTECTED_SCORE,
     attention_logits,
@@ -27,18 +28,23 @@ __all__ = [
     "POOLINGS",
     "PROTECTED_SCORE",
     "KVCompressConfig",
+    "MethodTraits",
+    "TRAITS",
     "attention_logits",
     "causal_window_attention",
     "compress_indices",
     "gqa_reduce",
     "h2o_scores",
+    "peak_slots",
     "pool1d",
     "reduce_heads",
     "rkv_importance",
     "rkv_redundancy",
     "rkv_scores",
+    "row_capacity",
     "score_layer",
     "select_kept",
+    "should_compress",
     "snapkv_scores",
     "streaming_scores",
 ]

@@ -1,9 +1,27 @@
-"""Configuration of KV-cache compression, shared by every engine (embedded, SGLang)."""
+"""Configuration of KV-cache compression, shared by every engine (embedded, SGLang), and what each method needs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("none", "snapkv", "rkv", "streaming", "h2o")
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What a compression method asks of the engine that runs it (scoring.py holds the methods themselves)."""
+
+    needs_queries: bool = False  # scores with the last `window` post-RoPE queries of the sequence
+    tracks_mass: bool = False  # scores with the attention mass each slot received over the whole sequence
+    compresses_after_prefill: bool = False  # also cuts the prompt to the budget once it is prefilled (schedule.py)
+    default_sinks: int = 0  # first tokens always kept unless --kv-n-sink says otherwise
+
+
+TRAITS: dict[str, MethodTraits] = {
+    "none": MethodTraits(),
+    "snapkv": MethodTraits(needs_queries=True, compresses_after_prefill=True),  # SnapKV's own use: the prompt
+    "rkv": MethodTraits(needs_queries=True),
+    "streaming": MethodTraits(default_sinks=4),  # 4 sinks + the most recent tokens: positions only
+    "h2o": MethodTraits(tracks_mass=True),  # falls back to the window's queries when the engine tracks no mass
+}
+METHODS = tuple(TRAITS)
 GQA_REDUCTIONS = ("mean", "max")
 GRANULARITIES = ("head", "layer", "model")  # per KV head and layer / one set per layer / one set for all layers
 POOLINGS = ("max", "avg")
@@ -31,11 +49,15 @@ class KVCompressConfig:
     def sinks(self) -> int:
         if self.n_sink is not None:
             return self.n_sink
-        return 4 if self.method == "streaming" else 0
+        return self.traits.default_sinks
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def traits(self) -> MethodTraits:
+        return TRAITS[self.method]
 
     def validate(self, prefix: str = "--kv-") -> None:
         """Raise ValueError naming the offending flag."""

@@ -193,7 +193,7 @@ def _check_inputs(
         raise ValueError(f"queries hold {w} tokens, more than --kv-window={cfg.window}")
     if w > n:
         raise ValueError(f"queries hold {w} tokens but the cache only {n}")
-    needs_queries = cfg.method in ("snapkv", "rkv") or (cfg.method == "h2o" and attn_mass is None)
+    needs_queries = cfg.traits.needs_queries or (cfg.traits.tracks_mass and attn_mass is None)
     if needs_queries and w == 0:
         raise ValueError(f"--kv-method={cfg.method} needs at least one observed query, got w=0")
     if values is not None and values.shape[:2] != keys.shape[:2]:

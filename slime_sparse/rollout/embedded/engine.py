@@ -7,7 +7,7 @@ How a generate() call runs (nano-vllm's scheduler shape, without pages):
   next waiting prompt is admitted at the end, then prefilled (chunked when the cache bound demands it);
 - each step runs the HF model once with explicit position_ids (the logical index of every token, so RoPE
   is never re-applied to kept keys), a 4D mask over cache slots and our cache as past_key_values;
-- after the step each sequence that hit its trigger is compressed on its own (see `_needs_compression`).
+- after the step each sequence that hit its trigger is compressed on its own (slime_sparse.kv.schedule).
 
 KV bound. Compression on: a row holds at most budget + buffer slots at any time, during prefill too
 (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a
@@ -22,7 +22,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig, compress_indices
+from slime_sparse.kv import KVCompressConfig, compress_indices, row_capacity, should_compress
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_next
 from slime_sparse.types import GenerationOutput, KVStats
 
@@ -189,8 +189,7 @@ class _Run:
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else _eos_ids(self.model))
         self.context = self.model.config.max_position_embeddings
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, self.context)
-        # Compression on: B + buffer bounds every row. Off (or a budget above any possible length): dense.
-        self.capacity = min(self.kv.budget + self.kv.buffer, longest) if self.kv.enabled else longest
+        self.capacity = row_capacity(self.kv, longest)
         self.cache = self._allocate(min(engine.max_batch_size, len(sequences)))
         engine.last_kv_cache_bytes = self.cache.kv_bytes
 
@@ -206,7 +205,7 @@ class _Run:
             capacity=self.capacity,
             window=self.kv.window,
             record_queries=self.kv.enabled,
-            track_mass=self.kv.method == "h2o",
+            track_mass=self.kv.traits.tracks_mass,
             device=self.engine.device,
             dtype=self.model.dtype,
         )
@@ -261,7 +260,10 @@ class _Run:
             self._sample([seqs[b] for b in to_sample], logits[to_sample])
 
         for seq, row, chunk in zip(seqs, rows, chunks):
-            if chunk and not seq.finished and self._needs_compression(seq, row, chunk):
+            if not chunk or seq.finished:
+                continue
+            prompt_done_now = seq.processed - len(chunk) < len(seq.prompt) <= seq.processed
+            if should_compress(cache.fill[row], self.kv, first_decode=prompt_done_now):
                 self._compress(seq, row)
 
     def _sample(self, seqs: list[Sequence], logits: Tensor) -> None:
@@ -273,18 +275,6 @@ class _Run:
                 seq.finish_reason = "stop"
             elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
                 seq.finish_reason = "length"
-
-    def _needs_compression(self, seq: Sequence, row: int, chunk: list[int]) -> bool:
-        """R-KV's schedule for every method: compress to B once the row holds B + buffer slots, i.e. every
-        `buffer` decoded tokens the row cycles back from B + buffer to B. SnapKV also compresses the prompt
-        to B at the end of prefill (its original use)."""
-        if not self.kv.enabled:
-            return False
-        fill = self.cache.fill[row]
-        if fill >= self.kv.budget + self.kv.buffer:
-            return True
-        prompt_done_now = seq.processed - len(chunk) < len(seq.prompt) <= seq.processed
-        return self.kv.method == "snapkv" and prompt_done_now and fill > self.kv.budget
 
     def _compress(self, seq: Sequence, row: int) -> None:
         cache = self.cache

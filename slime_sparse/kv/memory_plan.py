@@ -1,11 +1,12 @@
 """Back-of-the-envelope memory plans: what a budgeted KV cache buys a rollout server, what a learner holds.
 
 Pure arithmetic on an HF config, so a run can be sized before any GPU is touched (`tools/plan_memory.py`).
-The rollout numbers follow the engines exactly where they can:
+The rollout numbers follow the engines exactly where they can, through the budget rule they share (schedule.py):
 - the peak number of KV slots a request holds is the one SGLang's admission control reserves under our
-  plugin (`sglang_patches.admission.remaining_slot_need`: dense = prompt + max_new - 1, budgeted =
-  max(prefilled prompt, budget + buffer) capped by the dense value); the embedded engine prefills in
-  chunks under the bound, so its slots per row are min(prompt + max_new, budget + buffer);
+  plugin (`sglang_patches.admission`): the prompt prefilled at once, then one slot per decode step for every
+  output token but the last (dense = prompt + max_new - 1, budgeted = max(prefilled prompt, budget + buffer)
+  capped by the dense value); the embedded engine prefills in chunks under the bound, so its slots per row
+  are `schedule.row_capacity` = min(prompt + max_new, budget + buffer);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes, the layout of both
   engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer.
 The learner numbers are the standard mixed-precision accounting (weights, fp32 gradients, fp32 master
@@ -17,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from slime_sparse.kv import KVCompressConfig
+from .config import KVCompressConfig
+from .schedule import peak_slots, row_capacity
 
 GIB = 1 << 30
 
@@ -75,16 +77,13 @@ def peak_kv_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | N
     """Most KV slots one request holds at any time on `engine` ("sglang" or "embedded")."""
     if prompt_len < 1 or max_new_tokens < 1:
         raise ValueError(f"prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
-    compressing = kv is not None and kv.enabled
+    kv = kv if kv is not None else KVCompressConfig(method="none")
     if engine == "embedded":
-        dense = prompt_len + max_new_tokens
-        return min(dense, kv.budget + kv.buffer) if compressing else dense
+        return row_capacity(kv, prompt_len + max_new_tokens)
     if engine != "sglang":
         raise ValueError(f"engine must be 'sglang' or 'embedded', got {engine!r}")
-    from sglang_patches.admission import remaining_slot_need
-
-    cfg = kv if compressing else KVCompressConfig(method="none")
-    return remaining_slot_need(prompt_len, 0, 0, max_new_tokens, cfg, dense=not compressing)
+    # the prompt's prefill writes it at once and samples the first token; each decode step writes one slot
+    return peak_slots(prompt_len, max_new_tokens - 1, kv, first_decode=True)
 
 
 @dataclass(frozen=True)

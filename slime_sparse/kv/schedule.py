@@ -1,0 +1,53 @@
+"""When a sequence's cache compresses, and how many slots that leaves it needing: the budget rule of every engine.
+
+Selection (scoring.py, selection.py) decides *what* a compression keeps; this module decides *when* it runs and
+what that bounds, over plain ints (kvpress's DecodingPress keeps the two apart the same way). The embedded engine,
+the SGLang plugin (its compaction trigger and its admission control) and the memory planner all follow it.
+
+The rule, R-KV's schedule applied to every method: a cache compresses back to B = budget once it holds
+B + buffer slots, so between compressions it cycles in [B, B + buffer]. A method that `compresses_after_prefill`
+(SnapKV, its original use) also cuts a prompt longer than B to B as soon as the prompt is prefilled.
+Compression off: nothing is ever dropped, the cache holds the whole sequence.
+"""
+from __future__ import annotations
+
+from .config import KVCompressConfig
+
+
+def trigger(cfg: KVCompressConfig) -> int:
+    """Cache length at which a compression runs: budget + buffer."""
+    return cfg.budget + cfg.buffer
+
+
+def should_compress(cache_len: int, cfg: KVCompressConfig, first_decode: bool = False) -> bool:
+    """Compress a cache of `cache_len` slots now? Asked once a step has written its tokens, before the next one.
+
+    first_decode: the next step is the sequence's first decode step (its prompt has just been prefilled).
+    """
+    if not cfg.enabled:
+        return False
+    if cache_len >= trigger(cfg):
+        return True
+    return cfg.traits.compresses_after_prefill and first_decode and cache_len > cfg.budget
+
+
+def row_capacity(cfg: KVCompressConfig, longest: int) -> int:
+    """Slots a cache row needs for sequences of at most `longest` tokens, when it compresses before overflowing
+    (during a chunked prefill too): budget + buffer, or the whole sequence when that is shorter or compression off."""
+    return min(trigger(cfg), longest) if cfg.enabled else longest
+
+
+def peak_slots(cache_len: int, writes: int, cfg: KVCompressConfig, first_decode: bool = False) -> int:
+    """Most slots a cache of `cache_len` slots reaches over `writes` more steps of one slot each, the trigger
+    asked before every write (a decode loop: compress if due, then write the newest token).
+
+    first_decode: as in `should_compress`, for the first of those steps. If that step compresses, the cache
+    restarts from B; either way it then grows by one slot a step until it reaches the trigger, where the next
+    step compresses back to B.
+    """
+    if cache_len < 0 or writes < 0:
+        raise ValueError(f"cache_len={cache_len} and writes={writes} must be >= 0")
+    if not cfg.enabled or writes == 0:
+        return cache_len + writes
+    start = cfg.budget if should_compress(cache_len, cfg, first_decode) else cache_len
+    return max(cache_len, min(start + writes, trigger(cfg)))
