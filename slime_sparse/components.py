@@ -29,13 +29,6 @@ def load_model(path: str, *, device: torch.device, bf16: bool) -> torch.nn.Modul
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
 
 
-def stop_ids(cfg: RunConfig, tokenizer) -> tuple[int, ...]:
-    ids = set(cfg.sampling.stop_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return tuple(sorted(ids))
-
-
 def build_learner(cfg: RunConfig):
     t = cfg.train
     if t.train_backend == "megatron":
@@ -170,11 +163,6 @@ def build_components(cfg: RunConfig) -> Components:
         eval_records = [eval_data[i] for i in range(len(eval_data))]
         if cfg.eval.eval_max_prompts:
             eval_records = eval_records[: cfg.eval.eval_max_prompts]
-    sampling = cfg.sampling
-    if not sampling.stop_token_ids:
-        import dataclasses
-
-        cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(sampling, stop_token_ids=stop_ids(cfg, tokenizer)))
     reward_fn = get_reward_fn(cfg.reward)
     ray_backends = None
     if cfg.cluster.use_ray:  # learner ranks and engines as Ray actors (slime_sparse/ray)

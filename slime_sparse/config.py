@@ -1,9 +1,12 @@
 """Typed run configuration: one dataclass per concern, YAML + command line, validated at load time.
 
-Each component owns its config dataclass (``LossConfig`` in ``algo``, ``KVCompressConfig`` in ``kv``, ...);
-this module only composes them and maps their fields to command-line flags. Flags follow slime where
-slime has a name (``--rollout-batch-size``, ``--eps-clip``, ``--kl-loss-type``, ...); the rest are
-``--<section prefix><field>``. Precedence: dataclass defaults < preset < YAML (``--config``) < flags.
+Each component owns its config section (``LossConfig`` in ``algo``, ``KVCompressConfig`` in ``kv``, ...);
+this module only composes them. Every field has a flag (``slime_sparse.flags``): slime's name where slime has
+one (``--rollout-batch-size``, ``--eps-clip``, ``--kl-loss-type``, ...), else ``--<section prefix><field>``.
+Precedence: dataclass defaults < preset < YAML (``--config``) < flags. Loading is one uniform path:
+every source becomes ``{section: {field: value}}``, the layers are merged field by field, every section builds
+itself from its dict (``build_section``), ``RunConfig.derived`` fills what one section takes from another, and
+``RunConfig.validate`` checks each section and the rules between them.
 """
 from __future__ import annotations
 
@@ -14,14 +17,15 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar, Mapping
 
 import yaml
 
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
-from slime_sparse.backends.megatron.learner import MegatronConfig  # megatron-core itself is imported only when used
+from slime_sparse.backends.megatron.config import MegatronConfig  # megatron-core itself is imported only when used
 from slime_sparse.data.prompt_dataset import DataConfig
+from slime_sparse.flags import NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, flag_for
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.sampling import SamplingParams
@@ -34,6 +38,8 @@ ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo")
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    SECTION: ClassVar[str] = "rollout"
+
     rollout_batch_size: int = 128  # prompts per rollout
     n_samples_per_prompt: int = 8
     engine: str = "embedded"
@@ -41,15 +47,15 @@ class RolloutConfig:
     advantage_estimator: str = "grpo"  # grpo: (R - mean) / (std + eps); dr_grpo: R - mean
 
     def validate(self) -> None:
-        _positive(self, "rollout_batch_size", "--rollout-batch-size")
-        _positive(self, "n_samples_per_prompt", "--n-samples-per-prompt")
-        _positive(self, "max_batch_size", "--rollout-max-batch-size")
-        _choice(self.engine, ROLLOUT_ENGINES, "--rollout-engine")
-        _choice(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "--advantage-estimator")
+        _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size")
+        _choice(self, "engine", ROLLOUT_ENGINES)
+        _choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
+    SECTION: ClassVar[str] = "train"
+
     hf_checkpoint: str = ""  # local HF model directory (weights + tokenizer)
     train_backend: str = "embedded"
     num_rollout: int = 100
@@ -70,40 +76,36 @@ class TrainConfig:
     eval_interval: int = 0  # rollouts between evaluations (0: only before and after)
 
     def validate(self) -> None:
-        _choice(self.train_backend, TRAIN_BACKENDS, "--train-backend")
-        _choice(self.device, ("auto", "cpu", "cuda"), "--device")
-        for name, flag in [("num_rollout", "--num-rollout"), ("global_batch_size", "--global-batch-size"),
-                           ("max_tokens_per_gpu", "--max-tokens-per-gpu"), ("keep_last", "--keep-last")]:
-            _positive(self, name, flag)
-        if self.lr <= 0:
-            raise ValueError(f"--lr={self.lr} is invalid: must be > 0")
-        for name, flag in [("weight_decay", "--weight-decay"), ("clip_grad", "--clip-grad"),
-                           ("lr_warmup_iters", "--lr-warmup-iters"), ("save_interval", "--save-interval"),
-                           ("eval_interval", "--eval-interval")]:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{flag}={getattr(self, name)} is invalid: must be >= 0")
+        _choice(self, "train_backend", TRAIN_BACKENDS)
+        _choice(self, "device", ("auto", "cpu", "cuda"))
+        _positive(self, "num_rollout", "global_batch_size", "max_tokens_per_gpu", "keep_last", "lr")
+        _non_negative(self, "weight_decay", "clip_grad", "lr_warmup_iters", "save_interval", "eval_interval")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is invalid: must lie in [0, 1)")
+                raise ValueError(f"{_flag(self, name)}={getattr(self, name)} is invalid: must lie in [0, 1)")
         if self.hf_checkpoint and not os.path.isdir(self.hf_checkpoint):
-            raise ValueError(f"--hf-checkpoint={self.hf_checkpoint!r} is not a local directory")
+            raise ValueError(f"{_flag(self, 'hf_checkpoint')}={self.hf_checkpoint!r} is not a local directory")
 
 
 @dataclass(frozen=True)
 class EvalConfig:
+    SECTION: ClassVar[str] = "eval"
+
     eval_prompt_data: str = ""  # local jsonl/parquet; empty: no evaluation
     n_samples_per_eval_prompt: int = 1
     eval_max_prompts: int = 0  # 0: all
     eval_temperature: float = 0.0  # greedy by default; evaluated densely and, if on, under the rollout's compression
 
     def validate(self) -> None:
-        _positive(self, "n_samples_per_eval_prompt", "--n-samples-per-eval-prompt")
+        _positive(self, "n_samples_per_eval_prompt")
         if self.eval_prompt_data and not os.path.exists(self.eval_prompt_data):
-            raise ValueError(f"--eval-prompt-data={self.eval_prompt_data!r} does not exist")
+            raise ValueError(f"{_flag(self, 'eval_prompt_data')}={self.eval_prompt_data!r} does not exist")
 
 
 @dataclass(frozen=True)
 class LogConfig:
+    SECTION: ClassVar[str] = "log"
+
     run_dir: str = "runs/default"
     use_tensorboard: bool = True
     use_wandb: bool = False
@@ -112,7 +114,7 @@ class LogConfig:
 
     def validate(self) -> None:
         if not self.run_dir:
-            raise ValueError("--run-dir must not be empty")
+            raise ValueError(f"{_flag(self, 'run_dir')} must not be empty")
 
 
 UPDATE_WEIGHT_MODES = ("auto", "broadcast", "tensor")
@@ -125,6 +127,8 @@ class ClusterConfig:
     Layout flags are slime's. On a cluster without GPUs every "GPU" below is a CPU bundle of
     `ray_cpus_per_actor` CPUs, so `--actor-num-gpus-per-node 2` means two learner ranks per node.
     """
+
+    SECTION: ClassVar[str] = "cluster"
 
     use_ray: bool = False
     ray_address: str = ""  # as ray.init(address=): "" finds a running cluster or starts one; "local"; "host:port"
@@ -148,19 +152,16 @@ class ClusterConfig:
         return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
 
     def validate(self) -> None:
-        for name in ("actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus", "rollout_num_gpus_per_engine",
-                     "update_weight_buffer_size"):
-            _positive(self, name, flag_for("cluster", name))
+        _positive(self, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
+                  "rollout_num_gpus_per_engine", "update_weight_buffer_size")
         if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
             raise ValueError(
-                f"--rollout-num-gpus={self.rollout_num_gpus} must be a multiple of "
-                f"--rollout-num-gpus-per-engine={self.rollout_num_gpus_per_engine}"
+                f"{_flag(self, 'rollout_num_gpus')}={self.rollout_num_gpus} must be a multiple of "
+                f"{_flag(self, 'rollout_num_gpus_per_engine')}={self.rollout_num_gpus_per_engine}"
             )
-        _positive(self, "ray_cpus_per_actor", "--ray-cpus-per-actor")
-        _positive(self, "ray_timeout_s", "--ray-timeout")
-        if self.rollout_max_restarts < 0:
-            raise ValueError(f"--rollout-max-restarts={self.rollout_max_restarts} is invalid: must be >= 0")
-        _choice(self.update_weight_mode, UPDATE_WEIGHT_MODES, "--update-weight-mode")
+        _positive(self, "ray_cpus_per_actor", "ray_timeout_s")
+        _non_negative(self, "rollout_max_restarts")
+        _choice(self, "update_weight_mode", UPDATE_WEIGHT_MODES)
 
 
 @dataclass(frozen=True)
@@ -171,7 +172,7 @@ class RunConfig:
     kv: KVCompressConfig = field(default_factory=KVCompressConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
-    data: DataConfig = field(default_factory=lambda: DataConfig(prompt_data=""))
+    data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -179,18 +180,40 @@ class RunConfig:
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
 
+    @classmethod
+    def from_dict(cls, sections: Mapping[str, Mapping[str, Any]], source: str = "config") -> "RunConfig":
+        """Every section built from its dict ({section: {field: value}}; a section left out keeps its defaults)."""
+        _check_sections(sections, source)
+        return cls(**{name: build_section(name, sections.get(name, {}), source) for name in SECTIONS})
+
+    def derived(self) -> "RunConfig":
+        """This config with what one section takes from another (or from the model directory) filled in, once, at
+        load time, so that nothing downstream rewrites the config:
+        - Dr.GRPO's constant normaliser (`--loss-agg-mode seq-mean-token-sum-norm` without a norm_len): the
+          generation budget, --rollout-max-response-len;
+        - no --rollout-stop-token-ids: stop at the EOS of the tokenizer in --hf-checkpoint."""
+        loss, sampling = self.loss, self.sampling
+        if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_len is None:
+            loss = dataclasses.replace(loss, norm_len=sampling.max_new_tokens)
+        if not sampling.stop_token_ids:
+            eos = tokenizer_eos_id(self.train.hf_checkpoint)
+            if eos is not None:
+                sampling = dataclasses.replace(sampling, stop_token_ids=(eos,))
+        return dataclasses.replace(self, loss=loss, sampling=sampling)
+
     def validate(self) -> None:
         for section in SECTIONS:
             getattr(self, section).validate()
         if not self.data.prompt_data:
-            raise ValueError("--prompt-data is required: a local jsonl or parquet file of prompts")
+            raise ValueError(f"{flag_for('data', 'prompt_data')} is required: a local jsonl or parquet file of prompts")
         if not self.train.hf_checkpoint:
-            raise ValueError("--hf-checkpoint is required: a local Hugging Face model directory")
+            raise ValueError(f"{flag_for('train', 'hf_checkpoint')} is required: a local Hugging Face model directory")
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
-                f"--global-batch-size={self.train.global_batch_size} must divide --rollout-batch-size x "
-                f"--n-samples-per-prompt = {samples}"
+                f"{flag_for('train', 'global_batch_size')}={self.train.global_batch_size} must divide "
+                f"{flag_for('rollout', 'rollout_batch_size')} x {flag_for('rollout', 'n_samples_per_prompt')} = "
+                f"{samples}"
             )
 
     @property
@@ -201,52 +224,49 @@ class RunConfig:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
 
 
-# section name -> flag prefix for fields without an explicit alias
-SECTIONS: dict[str, str] = {
-    "train": "",
-    "rollout": "rollout-",
-    "sampling": "rollout-",
-    "kv": "kv-",
-    "loss": "",
-    "correction": "correction-",
-    "data": "",
-    "reward": "",
-    "eval": "",
-    "log": "",
-    "cluster": "",
-    "sglang": "sglang-",
-    "megatron": "",
-}
-# fields that no flag sets (filled by the loop or by `--sglang-*` pass-through)
-NO_FLAG = {"correction.preset", "sglang.model_path", "sglang.extra_args"}
-
-# slime's spellings (and ours where the generic rule reads badly)
-FLAG_ALIASES: dict[str, str] = {
-    "rollout.rollout_batch_size": "--rollout-batch-size",
-    "rollout.n_samples_per_prompt": "--n-samples-per-prompt",
-    "rollout.advantage_estimator": "--advantage-estimator",
-    "sampling.max_new_tokens": "--rollout-max-response-len",
-    "sampling.stop_token_ids": "--rollout-stop-token-ids",
-    "data.max_prompt_len": "--rollout-max-prompt-len",
-    "data.shuffle": "--rollout-shuffle",
-    "data.seed": "--rollout-seed",
-    "data.num_epochs": "--num-epoch",
-    "reward.timeout_s": "--rm-timeout",
-    "reward.num_workers": "--rm-num-workers",
-    "log.progress": "--progress-bar",
-    "cluster.ray_timeout_s": "--ray-timeout",
-    "megatron.load": "--megatron-load",  # Megatron-LM's --load; ours is the resume directory (--save)
-    "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
-}
+SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig))
+if SECTIONS != tuple(SECTION_PREFIXES):
+    raise RuntimeError(f"slime_sparse.flags.SECTION_PREFIXES {tuple(SECTION_PREFIXES)} must list {SECTIONS}")
+SECTION_TYPES: dict[str, type] = {name: typing.get_type_hints(RunConfig)[name] for name in SECTIONS}
+# files of a tokenizer saved by save_pretrained (one of them is enough for AutoTokenizer)
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
-def flag_for(section: str, name: str) -> str:
-    return FLAG_ALIASES.get(f"{section}.{name}", "--" + SECTIONS[section] + name.replace("_", "-").removeprefix(
-        SECTIONS[section]))
+def tokenizer_eos_id(model_dir: str) -> int | None:
+    """EOS id of the tokenizer in `model_dir`; None when the directory holds no tokenizer (a run cannot start
+    there anyway: it loads the same tokenizer first)."""
+    if not model_dir or not any(os.path.isfile(os.path.join(model_dir, f)) for f in TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(model_dir).eos_token_id
+    return None if eos is None else int(eos)
 
 
 def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
+
+
+def _tuple_type(tp: Any) -> bool:
+    """`tp` is a tuple annotation, or an optional one."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_tuple_type(a) for a in typing.get_args(tp))
+    return typing.get_origin(tp) is tuple
+
+
+def build_section(section: str, values: Mapping[str, Any], source: str = "config") -> Any:
+    """Config section `section` from a dict of its fields, the same way for every section: unknown fields are an
+    error, lists become tuples where the field is a tuple, and a section with its own `from_dict` (e.g. the
+    correction, which starts from a preset) builds itself with it."""
+    cls = SECTION_TYPES[section]
+    names = {f.name for f in fields(cls)}
+    for key in values:
+        if key not in names:
+            raise ValueError(f"{source}: unknown field {section}.{key}; allowed: {', '.join(sorted(names))}")
+    typed = {key: tuple(val) if isinstance(val, list) and _tuple_type(_field_type(cls, key)) else val
+             for key, val in values.items()}
+    from_dict = getattr(cls, "from_dict", None)
+    return from_dict(typed) if from_dict is not None else cls(**typed)
 
 
 def _parse_value(tp: Any, raw: str, flag: str) -> Any:
@@ -278,11 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file: {section: {field: value}} (sections: %s)" % ", ".join(SECTIONS))
-    parser.add_argument("--correction-preset", help="none | paper | mis (knobs set by other --correction-* flags win)")
     seen: dict[str, str] = {}
-    default = RunConfig.__dataclass_fields__
     for section in SECTIONS:
-        cls = default[section].default_factory().__class__
+        cls = SECTION_TYPES[section]
         for f in fields(cls):
             if f"{section}.{f.name}" in NO_FLAG:
                 continue
@@ -291,10 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
                 raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and {section}.{f.name}")
             seen[flag] = f"{section}.{f.name}"
             tp = _field_type(cls, f.name)
+            helptext = f.metadata.get("help")
             if tp is bool:
-                parser.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction)
+                parser.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
+                                    help=helptext)
             else:
-                parser.add_argument(flag, dest=f"{section}.{f.name}", metavar=_metavar(tp))
+                parser.add_argument(flag, dest=f"{section}.{f.name}", metavar=_metavar(tp), help=helptext)
     return parser
 
 
@@ -302,36 +322,31 @@ def _metavar(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp)).upper().replace(" ", "")
 
 
-def _section_values(raw: dict, source: str) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for section, values in (raw or {}).items():
-        if section == "correction_preset":
-            out.setdefault("correction", {})["preset"] = values
-            continue
+def _check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]]:
+    """`raw` is {section: {field: value}} over known sections."""
+    for section, values in raw.items():
         if section not in SECTIONS:
             raise ValueError(f"{source}: unknown section {section!r}; allowed: {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
+        if not isinstance(values, Mapping):
             raise ValueError(f"{source}: section {section!r} must be a mapping")
-        out[section] = dict(values)
+    return raw
+
+
+def _read_yaml(path: str) -> Mapping[str, Mapping[str, Any]]:
+    if not os.path.isfile(path):
+        raise ValueError(f"--config={path!r} does not exist")
+    with open(path, encoding="utf-8") as fh:
+        return _check_sections(yaml.safe_load(fh) or {}, path)
+
+
+def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """{section: {field: typed value}} of the parsed flags (dest "section.field")."""
+    out: dict[str, dict[str, Any]] = {}
+    for dest, raw in args.items():
+        section, name = dest.split(".", 1)
+        tp = _field_type(SECTION_TYPES[section], name)
+        out.setdefault(section, {})[name] = raw if isinstance(raw, bool) else _parse_value(tp, raw, flag_for(section, name))
     return out
-
-
-def _build_section(section: str, cls: type, values: dict[str, Any], source: str) -> Any:
-    names = {f.name for f in fields(cls)}
-    for key in values:
-        if key not in names:
-            raise ValueError(f"{source}: unknown field {section}.{key}; allowed: {', '.join(sorted(names))}")
-    if section == "correction":
-        values = dict(values)
-        preset = values.pop("preset", "none")
-        return CorrectionConfig.from_preset(preset, **values)
-    typed = {}
-    for key, val in values.items():
-        tp = _field_type(cls, key)
-        if typing.get_origin(tp) is tuple and isinstance(val, list):
-            val = tuple(val)
-        typed[key] = val
-    return cls(**typed)
 
 
 def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> RunConfig:
@@ -341,35 +356,18 @@ def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> R
     argv, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv),
                                           {o for a in parser._actions for o in a.option_strings})
     args = vars(parser.parse_args(argv))
-    merged = _section_values(base or {}, "preset")
+    layers = [_check_sections(base or {}, "preset")]
     if "config" in args:
-        path = args.pop("config")
-        if not os.path.isfile(path):
-            raise ValueError(f"--config={path!r} does not exist")
-        with open(path, encoding="utf-8") as fh:
-            for section, values in _section_values(yaml.safe_load(fh) or {}, path).items():
-                merged.setdefault(section, {}).update(values)
-    if "correction_preset" in args:
-        merged.setdefault("correction", {})["preset"] = args.pop("correction_preset")
+        layers.append(_read_yaml(args.pop("config")))
+    layers.append(_flag_values(args))
     if passthrough:
-        merged.setdefault("sglang", {})["extra_args"] = tuple(passthrough)
-    defaults = RunConfig()
-    for dest, raw in args.items():
-        section, name = dest.split(".", 1)
-        cls = type(getattr(defaults, section))
-        value = raw if isinstance(raw, bool) else _parse_value(_field_type(cls, name), raw, flag_for(section, name))
-        merged.setdefault(section, {})[name] = value
-    built = {}
-    for section in SECTIONS:
-        cls = type(getattr(defaults, section))
-        values = merged.get(section, {})
-        if section == "data":
-            values = {"prompt_data": "", **values}
-        built[section] = _build_section(section, cls, values, "config") if values else getattr(defaults, section)
-    if built["loss"].loss_agg_mode == "seq-mean-token-sum-norm" and built["loss"].norm_len is None:
-        # Dr.GRPO's constant normaliser: the generation budget
-        built["loss"] = dataclasses.replace(built["loss"], norm_len=built["sampling"].max_new_tokens)
-    cfg = RunConfig(**built)
+        section, name = PASSTHROUGH_FIELD.split(".")
+        layers.append({section: {name: tuple(passthrough)}})
+    merged: dict[str, dict[str, Any]] = {}
+    for layer in layers:  # later layers win, field by field
+        for section, values in layer.items():
+            merged.setdefault(section, {}).update(values)
+    cfg = RunConfig.from_dict(merged).derived()
     cfg.validate()
     return cfg
 
@@ -379,11 +377,23 @@ def save_config(cfg: RunConfig, path: str) -> None:
         yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
 
 
-def _positive(obj: Any, name: str, flag: str) -> None:
-    if getattr(obj, name) <= 0:
-        raise ValueError(f"{flag}={getattr(obj, name)} is invalid: must be > 0")
+def _flag(section_obj: Any, name: str) -> str:
+    """The flag of field `name` of a section defined here."""
+    return flag_for(section_obj.SECTION, name)
 
 
-def _choice(value: str, allowed: tuple[str, ...], flag: str) -> None:
-    if value not in allowed:
-        raise ValueError(f"{flag}={value!r} is invalid: choose one of {allowed}")
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{_flag(obj, name)}={getattr(obj, name)} is invalid: must be > 0")
+
+
+def _non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ValueError(f"{_flag(obj, name)}={getattr(obj, name)} is invalid: must be >= 0")
+
+
+def _choice(obj: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in allowed:
+        raise ValueError(f"{_flag(obj, name)}={getattr(obj, name)!r} is invalid: choose one of {allowed}")

@@ -87,12 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     records = [dataset[i] for i in range(len(dataset))]
     if cfg.eval.eval_max_prompts:
         records = records[: cfg.eval.eval_max_prompts]
-    sampling = eval_sampling(cfg)
-    if not sampling.stop_token_ids and tokenizer.eos_token_id is not None:
-        sampling = dataclasses.replace(sampling, stop_token_ids=(int(tokenizer.eos_token_id),))
     reward_fn = get_reward_fn(cfg.reward)
     engine = build_engine(cfg)
-    report = evaluate(engine, records, tokenizer, reward_fn, sampling=sampling,
+    report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
                       n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
     report.update({"model": cfg.train.hf_checkpoint, "data": data_cfg.prompt_data, "kv": dataclasses.asdict(cfg.kv)})
     with open(known.output, "w", encoding="utf-8") as fh:

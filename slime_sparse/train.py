@@ -76,7 +76,6 @@ def train(cfg: RunConfig) -> dict:
     save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
     set_seed(cfg.train.seed)
     comp = build_components(cfg)
-    cfg = comp.cfg  # with resolved stop ids
     save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
 
     start = 0

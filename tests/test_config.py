@@ -1,7 +1,9 @@
 """Run configuration: slime flag names, YAML + CLI precedence, presets, validation naming the flag."""
 import pytest
 
-from slime_sparse.config import RunConfig, build_parser, load_config
+from slime_sparse.algo.correction import CorrectionConfig
+from slime_sparse.config import SECTIONS, RunConfig, build_parser, load_config, save_config
+from slime_sparse.flags import SECTION_PREFIXES
 
 
 @pytest.fixture
@@ -98,3 +100,36 @@ def test_defaults_follow_the_authors_recipe():
     assert cfg.train.global_batch_size == 256 and cfg.train.lr == 1e-6 and cfg.train.weight_decay == 0.1
     assert (cfg.train.adam_beta1, cfg.train.adam_beta2) == (0.9, 0.98)
     assert cfg.loss.eps_clip == 0.2
+
+
+def test_without_correction_flags_the_config_reports_the_preset_it_equals(base_args):
+    assert load_config(base_args).correction.preset == "none"
+    assert CorrectionConfig().preset == "none"
+    paper = load_config(base_args + ["--correction-is-weight", "--correction-seq-veto", "1e-4"]).correction
+    assert paper.preset == "paper"
+    assert load_config(base_args + ["--correction-is-weight"]).correction.preset == "custom"
+    assert load_config(base_args + ["--correction-preset", "mis", "--correction-seq-veto", "1e-3"]).correction.preset \
+        == "mis"  # the preset it started from
+
+
+def test_stop_ids_are_the_tokenizers_eos_unless_given(tiny_assets):
+    from transformers import AutoTokenizer
+
+    assets = tiny_assets(n_train=16)
+    args = ["--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path)]
+    eos = AutoTokenizer.from_pretrained(str(assets.model_dir)).eos_token_id
+    assert load_config(args).sampling.stop_token_ids == (eos,)
+    assert load_config(args + ["--rollout-stop-token-ids", "5"]).sampling.stop_token_ids == (5,)
+
+
+def test_a_saved_config_loads_back_to_itself(base_args, tmp_path):
+    cfg = load_config(base_args + ["--correction-preset", "mis", "--correction-seq-veto", "1e-3", "--kv-method", "rkv",
+                                   "--loss-agg-mode", "seq-mean-token-sum-norm", "--sglang-foo", "1"])
+    save_config(cfg, str(tmp_path / "run.yaml"))
+    assert load_config(["--config", str(tmp_path / "run.yaml")]) == cfg
+
+
+def test_every_section_has_a_flag_prefix_and_every_flag_one_owner():
+    assert tuple(SECTION_PREFIXES) == SECTIONS
+    dests = [a.dest for a in build_parser()._actions if a.dest not in ("help", "config")]
+    assert len(dests) == len(set(dests)) and "correction.preset" in dests

@@ -27,7 +27,7 @@ pytest.importorskip("megatron.core")
 from tiny_runs import rollout_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from slime_sparse.backends.megatron.learner import MegatronConfig  # noqa: E402
+from slime_sparse.backends.megatron.config import MegatronConfig  # noqa: E402
 from slime_sparse.tasks.assets import AssetsConfig, build_assets  # noqa: E402
 from slime_sparse.tasks.tiny_model import TinyModelConfig  # noqa: E402
 from slime_sparse.train import main  # noqa: E402

@@ -36,7 +36,7 @@ def make_tiny_qwen2(path: str, *, hidden: int, layers: int, vocab: int) -> None:
 def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace, tp: int, pp: int) -> None:
     from slime_sparse.algo import LossConfig
     from slime_sparse.backends.base import TrainBatch
-    from slime_sparse.backends.megatron.learner import MegatronConfig, MegatronLearner, OptimConfig
+    from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner, OptimConfig
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
 

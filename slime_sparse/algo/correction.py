@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
 
 import torch
 from torch import Tensor
@@ -68,7 +68,8 @@ class CorrectionConfig:
         Needs is_weight.
     log_ratio_clamp: |log xi| is clamped to this before exp, for the weight and the token mask
         (the reference's SAFETY_BOUND = 20).
-    preset: the preset the knobs started from ("custom" when built directly).
+    preset: the preset the knobs started from (`from_preset`); when built directly, the preset they equal, or
+        "custom".
     """
 
     is_weight: bool = False
@@ -78,9 +79,30 @@ class CorrectionConfig:
     seq_veto: float | None = None
     batch_normalize: bool = False
     log_ratio_clamp: float = 20.0
-    preset: str = "custom"
+    preset: str = field(default="", metadata={
+        "help": "none | paper | mis: the published setting to start from (other --correction-* flags override "
+                "its knobs)"})
 
     FLAG_PREFIX: ClassVar[str] = "--correction-"
+
+    def __post_init__(self) -> None:
+        if not self.preset:
+            object.__setattr__(self, "preset", self.equal_preset())
+
+    def equal_preset(self) -> str:
+        """The preset whose knobs these are all equal to, or "custom"."""
+        knobs = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "preset"}
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name != "preset"}
+        return next((name for name, values in PRESETS.items() if knobs == {**defaults, **values}), "custom")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "CorrectionConfig":
+        """The `correction` section of a run config: its `preset` (if it names one) with the knobs it sets on top."""
+        values = dict(values)
+        preset = values.pop("preset", "")
+        if preset in ("", "custom"):
+            return cls(**values)
+        return cls.from_preset(preset, **values)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "CorrectionConfig":

@@ -31,7 +31,7 @@ _STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompt_data: str  # --prompt-data: local .jsonl / .json / .parquet file
+    prompt_data: str = ""  # --prompt-data: local .jsonl / .json / .parquet file (required to load data)
     input_key: str = "prompt"  # --input-key: a string, or a list of {"role", "content"} messages
     label_key: str | None = "label"  # --label-key: None when rows carry no label
     apply_chat_template: bool = False  # --apply-chat-template

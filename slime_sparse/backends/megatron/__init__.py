@@ -2,6 +2,7 @@
 
 Importing this package does not import megatron-core; its modules import it when used. See README.md.
 """
-from .learner import MegatronConfig, MegatronLearner, OptimConfig, build_megatron_learner
+from .config import MegatronConfig
+from .learner import MegatronLearner, OptimConfig, build_megatron_learner
 
 __all__ = ["MegatronConfig", "MegatronLearner", "OptimConfig", "build_megatron_learner"]

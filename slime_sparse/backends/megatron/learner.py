@@ -47,6 +47,7 @@ from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_st
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
 from . import checkpoint as ckpt
+from .config import MegatronConfig
 from .hf_io import HFWeights, bucketed, export_hf_weights, load_hf_weights, save_hf_checkpoint
 from .logprobs import check_rows, forward_logits, logprobs_from_logits
 from .model_config import ModelSpec, build_gpt_model, read_hf_config
@@ -55,35 +56,6 @@ from .model_config import ModelSpec, build_gpt_model, read_hf_config
 OPTIM_DIR = "optim"  # optimizer state
 RNG_DIR = "rng"  # one RNG file per rank
 LAYOUT_KEY = "megatron_layout"  # key in trainer_state.json's extra: the layout the per-rank files belong to
-
-
-@dataclass(frozen=True)
-class MegatronConfig:
-    """Megatron-specific knobs (flags `--tensor-model-parallel-size`, ... as in Megatron-LM / slime)."""
-
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_te: bool | None = None  # None: Transformer Engine spec iff TE imports on a GPU
-    load: str = ""  # Megatron checkpoint (a converter's output) to start from, else the HF checkpoint
-    vocab_divisible_by: int = 128
-    recompute_activations: bool = False
-    use_distributed_optimizer: bool = True  # GPU only
-
-    def validate(self) -> None:
-        if self.tensor_model_parallel_size < 1:
-            raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {self.tensor_model_parallel_size}")
-        if self.pipeline_model_parallel_size < 1:
-            raise ValueError(f"--pipeline-model-parallel-size must be >= 1, got {self.pipeline_model_parallel_size}")
-        if self.vocab_divisible_by < 1:
-            raise ValueError(f"--make-vocab-size-divisible-by must be >= 1, got {self.vocab_divisible_by}")
-        if self.load and not os.path.isdir(self.load):
-            raise ValueError(f"--megatron-load={self.load!r} is not a directory")
-        if self.load and os.path.isfile(os.path.join(self.load, STATE_FILE)):
-            raise ValueError(
-                f"--megatron-load={self.load!r} is a training checkpoint, not a Megatron checkpoint: start from its "
-                f"weights with --hf-checkpoint {os.path.join(self.load, MODEL_DIR)}, or resume its run with --save"
-            )
 
 
 @dataclass(frozen=True)
