@@ -47,6 +47,17 @@ def evaluate(engine, records: list, tokenizer, reward_fn, *, sampling, n_samples
     return report
 
 
+def load_eval_records(cfg, tokenizer) -> list:
+    """The evaluation prompts: --eval-prompt-data in file order, at most --eval-max-prompts (none without it)."""
+    from slime_sparse.data.prompt_dataset import PromptDataset
+
+    if not cfg.eval.eval_prompt_data:
+        return []
+    data = PromptDataset(dataclasses.replace(cfg.data, prompt_data=cfg.eval.eval_prompt_data, shuffle=False), tokenizer)
+    records = [data[i] for i in range(len(data))]
+    return records[: cfg.eval.eval_max_prompts] if cfg.eval.eval_max_prompts else records
+
+
 def eval_sampling(cfg):
     return dataclasses.replace(cfg.sampling, temperature=cfg.eval.eval_temperature)
 
@@ -65,33 +76,30 @@ def evaluate_modes(cfg, comp, *, step: int, logger=None) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_sparse.components import build_engine, load_tokenizer
     from slime_sparse.config import load_config
-    from slime_sparse.data.prompt_dataset import PromptDataset
+    from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
     from slime_sparse.reward import get_reward_fn
 
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--output", default="eval_report.json")
     known, rest = pre.parse_known_args(argv)
-    # evaluation reads the same flags as training; the eval set doubles as --prompt-data
+    # evaluation reads the same flags as training; either data flag names the evaluation set
     if "--prompt-data" not in rest and "--eval-prompt-data" in rest:
         rest += ["--prompt-data", rest[rest.index("--eval-prompt-data") + 1]]
+    elif "--eval-prompt-data" not in rest and "--prompt-data" in rest:
+        rest += ["--eval-prompt-data", rest[rest.index("--prompt-data") + 1]]
     try:
         cfg = load_config(rest)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
-    data_cfg = dataclasses.replace(cfg.data, prompt_data=cfg.eval.eval_prompt_data or cfg.data.prompt_data, shuffle=False)
-    dataset = PromptDataset(data_cfg, tokenizer)
-    records = [dataset[i] for i in range(len(dataset))]
-    if cfg.eval.eval_max_prompts:
-        records = records[: cfg.eval.eval_max_prompts]
+    records = load_eval_records(cfg, tokenizer)
     reward_fn = get_reward_fn(cfg.reward)
-    engine = build_engine(cfg)
+    engine = build_engine(EngineSpec.from_run(cfg))
     report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
                       n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
-    report.update({"model": cfg.train.hf_checkpoint, "data": data_cfg.prompt_data, "kv": dataclasses.asdict(cfg.kv)})
+    report.update({"model": cfg.train.hf_checkpoint, "data": cfg.eval.eval_prompt_data, "kv": dataclasses.asdict(cfg.kv)})
     with open(known.output, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=2)
     print(json.dumps({k: v for k, v in report.items() if k != "kv"}, indent=2))

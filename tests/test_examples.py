@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from slime_sparse.config import load_config
+from slime_sparse.factory import EngineSpec
 from slime_sparse.ray.layout import ClusterLayout
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -36,7 +37,7 @@ def test_qwen25_7b_recipe_parses_and_fits_its_layout(qwen25_7b, tmp_path, capsys
     layout = ClusterLayout.from_config(cfg.cluster, use_gpu=True)
     assert (layout.learner_ranks, layout.num_engines, layout.bundles_per_engine) == (8, 8, 1)
     ray_learner.check_megatron_layout(cfg.megatron, layout.learner_ranks)
-    check_ray_layout(cfg, num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
+    check_ray_layout(EngineSpec.from_run(cfg), num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
                      colocate=layout.colocate, use_gpu=True)
     dp = layout.learner_ranks // cfg.megatron.tensor_model_parallel_size
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt

@@ -56,12 +56,12 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) on 2 ranks
 
 
 def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, ckpt_dir: str, tp: int, pp: int) -> dict:
-    from slime_sparse.backends.megatron import build_megatron_learner
     from slime_sparse.backends.megatron.hf_io import export_hf_weights
     from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner, OptimConfig
     from slime_sparse.backends.megatron.learner import clip_grad_norm_tp
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
+    from slime_sparse.factory import LearnerSpec, build_learner
 
     layout = MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     init_parallel(ParallelConfig(tp, pp))
@@ -75,10 +75,11 @@ def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, 
         "logp": learner.compute_logprobs(batch.tokens, batch.response_lens),
         "ref_logp": learner.compute_logprobs(batch.tokens, batch.response_lens, ref=True),
     }
-    # The entry point `--train-backend megatron` uses: reads train / loss / sampling from a RunConfig.
-    run_cfg = RunConfig(train=TrainConfig(hf_checkpoint=hf_dir, lr=1e-3, max_tokens_per_gpu=MAX_TOKENS), loss=LOSS,
-                        sampling=SamplingParams(temperature=TEMPERATURE))
-    built = build_megatron_learner(run_cfg, layout)
+    # The entry point `--train-backend megatron` uses: reads train / loss / sampling / megatron from a RunConfig.
+    run_cfg = RunConfig(train=TrainConfig(hf_checkpoint=hf_dir, train_backend="megatron", lr=1e-3,
+                                          max_tokens_per_gpu=MAX_TOKENS),
+                        loss=LOSS, sampling=SamplingParams(temperature=TEMPERATURE), megatron=layout)
+    built = build_learner(LearnerSpec.from_run(run_cfg))
     out["built"] = (built.compute_logprobs(batch.tokens, batch.response_lens), built.temperature, built.optim.lr,
                     built.ref_model is not None)
     del built

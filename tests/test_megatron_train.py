@@ -143,10 +143,10 @@ def test_single_process_run_matches_embedded_and_resumes_exactly(assets, embedde
 
 
 def test_resume_errors_name_the_problem(assets, embedded_run, tmp_path):
-    from slime_sparse.backends.megatron import build_megatron_learner
     from slime_sparse.config import load_config
+    from slime_sparse.factory import LearnerSpec, build_learner
 
-    learner = build_megatron_learner(load_config(args(assets, tmp_path / "run", 1, *MEGATRON)))
+    learner = build_learner(LearnerSpec.from_run(load_config(args(assets, tmp_path / "run", 1, *MEGATRON))))
     try:
         with pytest.raises(ValueError, match="not written by the Megatron learner"):
             learner.load_checkpoint(str(checkpoint(embedded_run, 3)))

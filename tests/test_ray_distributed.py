@@ -20,7 +20,7 @@ import torch.distributed as dist
 ray = pytest.importorskip("ray")
 
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
-from slime_sparse.components import build_engine, build_learner  # noqa: E402
+from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner  # noqa: E402
 from slime_sparse.config import ClusterConfig, load_config  # noqa: E402
 from slime_sparse.ray.build import build_ray_backends  # noqa: E402
 from slime_sparse.ray.layout import ClusterLayout, order_by_node, split_contiguous  # noqa: E402
@@ -209,7 +209,7 @@ def make_batch(n: int = 7, seed: int = 0) -> TrainBatch:
 
 def test_two_learner_ranks_match_one_process(backends, assets):
     cfg = run_config(assets)
-    local = build_learner(cfg)  # the embedded learner, in this process, on the same checkpoint
+    local = build_learner(LearnerSpec.from_run(cfg))  # the embedded learner, in this process, on the same checkpoint
     initial = {k: v.clone() for k, v in local.model.state_dict().items()}
     group = backends.learner
     assert group.world_size == 2
@@ -281,7 +281,7 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 4], [1, 3, 3, 3, 10, 11], [1, 7], [1, 12, 13,
 
 
 def _local_engine(assets, weights):
-    engine = build_engine(run_config(assets))  # the embedded engine in this process
+    engine = build_engine(EngineSpec.from_run(run_config(assets)))  # the embedded engine in this process
     engine.update_weights(weights)
     return engine
 
@@ -319,7 +319,7 @@ def test_engine_killed_mid_rollout_is_restarted_and_its_prompts_resent(backends,
     cluster = RayCluster(ClusterLayout(learner_ranks=0, num_engines=2, cpus_per_bundle=CPUS), timeout_s=TIMEOUT_S)
     group = None
     try:
-        group = RayRolloutGroup(run_config(assets), cluster, actor_cls=CrashOnceEngine)
+        group = RayRolloutGroup(EngineSpec.from_run(run_config(assets)), cluster, actor_cls=CrashOnceEngine)
         version = group.sync_from(learner)  # a restarted engine must get these weights, not the checkpoint's
         (tmp_path / "crash-1").write_text("")
         params = SamplingParams(temperature=1.0, max_new_tokens=16)
@@ -351,7 +351,7 @@ def test_learner_rank_death_stops_the_run_and_keeps_the_checkpoint(local_ray, as
     cluster = RayCluster(ClusterLayout(learner_ranks=2, num_engines=0, cpus_per_bundle=CPUS), timeout_s=TIMEOUT_S)
     group = None
     try:
-        group = RayLearnerGroup(cfg, cluster)
+        group = RayLearnerGroup(LearnerSpec.from_run(cfg), cluster)
         batch = _prepared(group, make_batch())
         group.train_step(batch)
         ckpt = group.save_checkpoint(str(tmp_path / "ckpt" / "rollout_000001"), step=1, data_state={"pos": 3},
@@ -367,7 +367,7 @@ def test_learner_rank_death_stops_the_run_and_keeps_the_checkpoint(local_ray, as
             group.close()
         cluster.close()
     assert latest_checkpoint(str(tmp_path / "ckpt")) == ckpt
-    model = build_learner(cfg).model
+    model = build_learner(LearnerSpec.from_run(cfg)).model
     state = load_training_state(ckpt, model, restore_rng=False)
     assert state["step"] == 1 and state["data_state"] == {"pos": 3}
     assert all(torch.equal(t, saved[n]) for n, t in model.state_dict().items())

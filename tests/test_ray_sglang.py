@@ -21,6 +21,7 @@ from sglang_fakes import fake_server_processes, fetch_state  # noqa: E402
 
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
 from slime_sparse.config import load_config  # noqa: E402
+from slime_sparse.factory import EngineSpec  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.ray.build import build_ray_backends  # noqa: E402
 from slime_sparse.ray.layout import ClusterLayout  # noqa: E402
@@ -74,7 +75,7 @@ def train_once(learner, seed: int) -> None:
 
 def test_ray_layout_checks_name_the_flags(tiny_assets):
     assets = tiny_assets(n_train=16)
-    cfg = load_config(flags(assets, ["http://a:1", "http://b:2"]))
+    cfg = EngineSpec.from_run(load_config(flags(assets, ["http://a:1", "http://b:2"])))
     check_ray_layout(cfg, num_engines=2, servers_per_engine=1, colocate=False, use_gpu=False)
     with pytest.raises(ValueError, match="--sglang-server-urls lists 2 servers.*2 engines of 2 servers = 4"):
         check_ray_layout(cfg, num_engines=2, servers_per_engine=2, colocate=False, use_gpu=False)
@@ -251,7 +252,8 @@ def test_engine_killed_mid_rollout_is_restarted_and_its_prompts_resent(backends,
     group = None
     with fake_server_processes(2) as urls:
         try:
-            group = RayRolloutGroup(load_config(flags(assets, urls)), cluster, actor_cls=CrashOnceSGLang)
+            group = RayRolloutGroup(EngineSpec.from_run(load_config(flags(assets, urls))), cluster,
+                                    actor_cls=CrashOnceSGLang)
             version = group.sync_from(learner)  # the restarted engine must bring its server these weights back
             (tmp_path / "crash-1").write_text("")
             prompts = [[1, 2], [3, 4], [5, 6], [7, 8]]

@@ -279,7 +279,8 @@ def test_wait_port_free_waits_for_a_listener_to_go():
 def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
     """Without Ray: --sglang-server-urls attaches (nothing launched), the servers join this process's weight group,
     and dense evaluation reuses them per request instead of starting a second server set."""
-    from slime_sparse.components import Components, build_engine
+    from slime_sparse.components import Components
+    from slime_sparse.factory import EngineSpec, build_engine
     from slime_sparse.config import load_config
     from slime_sparse.rollout.base import KVView
 
@@ -289,7 +290,7 @@ def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
         cfg = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), "--device", "cpu",
                            "--rollout-engine", "sglang", "--sglang-server-urls", fake.url, "--kv-method", "rkv",
                            "--kv-budget", "6", "--kv-buffer", "2", "--kv-window", "2", "--kv-granularity", "model"])
-        engine = build_engine(cfg)
+        engine = build_engine(EngineSpec.from_run(cfg))
         (joined,) = fake.joined
         assert (joined["world_size"], joined["rank_offset"], joined["backend"]) == (2, 1, "gloo")
         comp = Components(cfg=cfg, tokenizer=None, stream=None, reward_fn=None, learner=None, engine=engine)

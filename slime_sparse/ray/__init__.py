@@ -5,7 +5,7 @@
     learner_group.py  RayLearnerGroup: the Learner protocol over data-parallel ranks (torch.distributed)
     rollout_group.py  RayRolloutGroup: the RolloutEngine protocol over engine actors; restarts dead ones
     weight_sync.py    learner rank 0 -> engines: bucketed broadcast with checked versions (torch only)
-    build.py          build_ray_backends(cfg): the three above, wired for components.build_components
+    build.py          build_ray_backends(cfg): the three above, wired for components.build_backends
     utils.py          timeouts: every Ray wait goes through get / get_each
 
 Ray is optional: this package imports nothing, and its modules import `ray` only when --use-ray selects

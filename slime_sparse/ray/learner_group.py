@@ -29,9 +29,11 @@ import torch.distributed as dist
 
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import balance_by_tokens
+from slime_sparse.factory import LearnerSpec, build_learner
+from slime_sparse.utils.device import dist_backend, resolve_device
 
 from .placement import RayCluster
-from .utils import ActorDied, get_each, with_absolute_paths
+from .utils import ActorDied, get_each
 from .weight_sync import Bucket, FlatPlan, new_group, open_store, plan_buckets, send_weights
 
 logger = logging.getLogger(__name__)
@@ -91,8 +93,8 @@ class LearnerWorker:
     Rank 0 also commits checkpoints and is the source of weight syncs to the rollout engines.
     """
 
-    def __init__(self, cfg, rank: int, world_size: int, timeout_s: float) -> None:
-        self.cfg = cfg
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, timeout_s: float) -> None:
+        self.spec = spec
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
@@ -112,20 +114,17 @@ class LearnerWorker:
 
     def setup(self, host: str, port: int) -> RankInfo:
         """Join the learners' process group (blocks until every rank has called) and build the learner."""
-        from slime_sparse.backends.embedded.learner import resolve_device
         from slime_sparse.backends.megatron.learner import MegatronLearner  # megatron-core is imported only if built
-        from slime_sparse.components import build_learner
 
-        device = resolve_device(self.cfg.train.device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        device = resolve_device(self.spec.train.device)
         store = self._dp_store or dist.TCPStore(host, port, self.world_size, is_master=False,
                                                 timeout=timedelta(seconds=self.timeout_s))
         if device.type == "cuda":
             torch.cuda.set_device(0)  # Ray shows each actor only the GPU of its bundle
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size,
+        dist.init_process_group(dist_backend(device), store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
-        torch.manual_seed(self.cfg.train.seed)  # identical replicas, whatever the model builder draws
-        self.learner = build_learner(self.cfg)  # Megatron: its groups (TP x DP) over this process group
+        torch.manual_seed(self.spec.train.seed)  # identical replicas, whatever the model builder draws
+        self.learner = build_learner(self.spec)  # Megatron: its groups (TP x DP) over this process group
         if isinstance(self.learner, MegatronLearner):
             return RankInfo(str(device), self.learner.data_parallel_rank, self.learner.data_parallel_size, True)
         return RankInfo(str(device), self.rank, self.world_size, False)
@@ -213,19 +212,15 @@ def check_megatron_layout(megatron, world: int) -> None:
 class RayLearnerGroup:
     """Learner protocol (compute_logprobs, train_step, named_weights, checkpoints) over Ray learner ranks."""
 
-    def __init__(self, cfg, cluster: RayCluster, *, timeout_s: float | None = None) -> None:
+    def __init__(self, spec: LearnerSpec, cluster: RayCluster, *, timeout_s: float | None = None) -> None:
         world = cluster.layout.learner_ranks
-        if cfg.train.train_backend == "megatron":
-            check_megatron_layout(cfg.megatron, world)
-            if cfg.megatron.load:  # actors may run in another working directory
-                cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(
-                    cfg.megatron, load=os.path.abspath(cfg.megatron.load)))
-        self.cfg = cfg = with_absolute_paths(cfg)
+        if spec.train.train_backend == "megatron":
+            check_megatron_layout(spec.megatron, world)
         self.cluster = cluster
         self.timeout_s = cluster.timeout_s if timeout_s is None else timeout_s
         actor_cls = ray.remote(LearnerWorker)
         self.workers = [
-            actor_cls.options(**cluster.actor_options(bundle)).remote(cfg, rank, world, self.timeout_s)
+            actor_cls.options(**cluster.actor_options(bundle)).remote(spec, rank, world, self.timeout_s)
             for rank, bundle in enumerate(cluster.layout.learner_bundles())
         ]
         try:

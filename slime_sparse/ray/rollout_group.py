@@ -21,7 +21,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import uuid
 from typing import Mapping
 
@@ -29,13 +28,15 @@ import ray
 import torch
 from ray.exceptions import RayActorError
 
+from slime_sparse.factory import EngineSpec, build_engine
 from slime_sparse.rollout.base import KVView
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
+from slime_sparse.utils.device import dist_backend
 
 from .layout import split_contiguous
 from .placement import RayCluster
-from .utils import get, get_each, with_absolute_paths
+from .utils import get, get_each
 from .weight_sync import Bucket, FlatPlan, flat_plan, layout_of, new_group, receive_weights, require_newer
 
 logger = logging.getLogger(__name__)
@@ -87,14 +88,10 @@ class EngineWorker:
     # the weight plan it receives: header + aligned buckets (weight_sync.py)
     sync_format = "framed"
 
-    def __init__(self, cfg, index: int, timeout_s: float) -> None:
-        from slime_sparse.components import build_engine
-
-        self.cfg = cfg
+    def __init__(self, spec: EngineSpec, index: int, timeout_s: float) -> None:
         self.index = index
         self.timeout_s = timeout_s
-        self.engine = build_engine(cfg)
-        self._variants: dict = {}  # other KV configs (evaluation), sharing self.engine's model
+        self.engine = build_engine(spec)
         self._sync_group = None
         self._sync_backend = "gloo"
 
@@ -107,20 +104,7 @@ class EngineWorker:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, index_offset: int,
                  kv=None) -> list[GenerationOutput]:
-        engine = self._engine_for(kv)
-        outputs = engine.generate(prompts, params, seed=seed, index_offset=index_offset)
-        for out in outputs:  # a variant shares the main engine's weights, hence its version
-            out.weight_version = self.engine.weight_version
-        return outputs
-
-    def _engine_for(self, kv):
-        if kv is None or kv == self.engine.kv:
-            return self.engine
-        if kv not in self._variants:
-            from slime_sparse.components import build_engine
-
-            self._variants[kv] = build_engine(self.cfg, kv=kv, model=self.engine.model)
-        return self._variants[kv]
+        return self.engine.generate(prompts, params, seed=seed, index_offset=index_offset, kv=kv)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load a full state dict as `version` (must be newer than the one held); returns the version held."""
@@ -161,26 +145,25 @@ class EngineWorker:
 class RayRolloutGroup:
     """RolloutEngine over `cluster.layout.num_engines` engine actors (see the module docstring)."""
 
-    def __init__(self, cfg, cluster: RayCluster, *, timeout_s: float | None = None, max_restarts: int | None = None,
-                 actor_cls: type | None = None) -> None:
-        """actor_cls: the engine actor's body (default: worker_class(--rollout-engine))."""
+    def __init__(self, spec: EngineSpec, cluster: RayCluster, *, update_weight_mode: str = "auto",
+                 max_restarts: int = 3, timeout_s: float | None = None, actor_cls: type | None = None) -> None:
+        """update_weight_mode, max_restarts: --update-weight-mode, --rollout-max-restarts;
+        actor_cls: the engine actor's body (default: worker_class(--rollout-engine))."""
         layout = cluster.layout
-        if cfg.rollout.engine == "embedded" and layout.bundles_per_engine != 1:
+        if spec.kind == "embedded" and layout.bundles_per_engine != 1:
             raise ValueError("the embedded engine runs on one device: --rollout-num-gpus-per-engine must be 1, "
                              f"got {layout.bundles_per_engine}")
-        self.cfg = with_absolute_paths(cfg)
+        self.spec = spec
         self.cluster = cluster
-        self.kv = cfg.kv
         self.timeout_s = cluster.timeout_s if timeout_s is None else timeout_s
-        actor_cls = worker_class(cfg.rollout.engine) if actor_cls is None else actor_cls
+        actor_cls = worker_class(spec.kind) if actor_cls is None else actor_cls
         self._sync_format = actor_cls.sync_format
         self._worker_kwargs: list[dict] = [{} for _ in range(layout.num_engines)]  # per engine, fixed over restarts
-        if cfg.rollout.engine == "sglang":
+        if spec.kind == "sglang":
             self._worker_kwargs = self._sglang_worker_kwargs()
-        self.max_restarts = cfg.cluster.rollout_max_restarts if max_restarts is None else max_restarts
-        self.mode = resolve_update_mode(cfg.cluster.update_weight_mode, colocate=cluster.layout.colocate,
-                                        use_gpu=cluster.layout.use_gpu)
-        self.backend = "nccl" if cluster.layout.use_gpu else "gloo"
+        self.max_restarts = max_restarts
+        self.mode = resolve_update_mode(update_weight_mode, colocate=layout.colocate, use_gpu=layout.use_gpu)
+        self.backend = dist_backend("cuda" if layout.use_gpu else "cpu")
         self.num_restarts = 0  # over the group's life
         self._actor_cls = ray.remote(actor_cls)
         self._version = 0
@@ -273,6 +256,7 @@ class RayRolloutGroup:
 
     def with_kv(self, kv) -> KVView:
         """This group's engines under another KV config (e.g. dense evaluation), sharing their weights."""
+        kv.validate()
         return KVView(self, kv)
 
     def engine_state_dict(self, index: int) -> dict[str, torch.Tensor]:
@@ -300,11 +284,10 @@ class RayRolloutGroup:
         from slime_sparse.rollout.sglang.worker import check_ray_layout
 
         layout = self.cluster.layout
-        check_ray_layout(self.cfg, num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
+        check_ray_layout(self.spec, num_engines=layout.num_engines, servers_per_engine=layout.bundles_per_engine,
                          colocate=layout.colocate, use_gpu=layout.use_gpu)
-        log_dir = os.path.join(self.cfg.log.run_dir, "sglang_logs")  # absolute (with_absolute_paths)
-        kwargs = [{"log_dir": log_dir} for _ in range(layout.num_engines)]
-        if not self.cfg.sglang.attached:
+        kwargs = [{"servers": layout.bundles_per_engine} for _ in range(layout.num_engines)]
+        if not self.spec.sglang.attached:
             for i, bundles in enumerate(layout.engine_bundles()):
                 kwargs[i]["gpu_ids"] = engine_gpu_ids(bundle_gpu_ids(self.cluster, bundles, self.timeout_s), i)
         return kwargs
@@ -312,7 +295,7 @@ class RayRolloutGroup:
     def _spawn(self, i: int):
         bundle = self.cluster.layout.engine_bundles()[i][0]
         return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(
-            self.cfg, i, self.timeout_s, **self._worker_kwargs[i])
+            self.spec, i, self.timeout_s, **self._worker_kwargs[i])
 
     def _submit(self, i: int, prompts, shard: range, params, seed: int, kv):
         return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed, shard.start, kv)
@@ -348,7 +331,7 @@ class RayRolloutGroup:
                 get(source.drop_sync_group.remote(self._sync_name), "drop weight-sync group", self.timeout_s)
             self._sync_name = self._join_sync_group(source, replaces=self._sync_name)
             self._sync_members = members
-            bucket_bytes = self.cfg.cluster.update_weight_buffer_size
+            bucket_bytes = self.spec.weight_bucket_bytes
             self._plan = get(source.weight_plan.remote(bucket_bytes), "weight plan", self.timeout_s)
             if self._sync_format == "flat":  # SGLang servers receive its tensors as flattened buckets, no header
                 self._plan = flat_plan(layout_of(self._plan), bucket_bytes)

@@ -6,7 +6,6 @@ says what it was waiting for when it runs out.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import Any, Sequence
@@ -60,10 +59,3 @@ def get_each(refs: Sequence[Any], what: str, timeout_s: float | None = None) -> 
                 raise ActorDied(what, index[ref], exc) from exc
     return results
 
-
-def with_absolute_paths(cfg):
-    """`cfg` (a RunConfig) with its model path and run directory made absolute: actors may run in another
-    working directory."""
-    train = dataclasses.replace(cfg.train, hf_checkpoint=os.path.abspath(cfg.train.hf_checkpoint))
-    log = dataclasses.replace(cfg.log, run_dir=os.path.abspath(cfg.log.run_dir))
-    return dataclasses.replace(cfg, train=train, log=log)

@@ -1,15 +1,24 @@
 """The contract every rollout engine implements (embedded PyTorch, SGLang servers, a Ray group of either).
 
-The training loop only talks to this protocol: token ids in, `GenerationOutput`s out, weights pushed in.
+The training loop only talks to this protocol: token ids in, `GenerationOutput`s out, weights taken from a
+learner, and the same engine seen under another KV config for evaluation.
 """
 from __future__ import annotations
 
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
+
+
+class WeightSource(Protocol):
+    """What an engine syncs from: a learner (any backend), seen only through its weights."""
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights under Hugging Face names."""
+        ...
 
 
 @runtime_checkable
@@ -33,6 +42,16 @@ class RolloutEngine(Protocol):
         """Load new weights (same names and shapes as the model's state dict) and bump weight_version."""
         ...
 
+    def sync_from(self, learner: WeightSource) -> None:
+        """Load `learner`'s current weights and bump weight_version. An engine may take them by a shorter way
+        than update_weights (a Ray group: from learner rank 0 to the engine actors, past this process)."""
+        ...
+
+    def with_kv(self, kv) -> "KVView":
+        """This engine under another KV config (e.g. dense evaluation of a compressing engine), sharing its
+        weights and version."""
+        ...
+
     def release_memory(self) -> None:
         """Give back accelerator memory between rollouts (may be a no-op)."""
         ...
@@ -43,9 +62,8 @@ class RolloutEngine(Protocol):
 
 
 class KVView:
-    """An engine seen under another KV config (e.g. dense evaluation of a compressing engine): generate()
-    passes `kv` to the engine's own `generate(..., kv=)`; weights and versions stay the engine's. Used by the
-    engines that hold one model for several KV configs (a Ray group, SGLang servers with a per-request opt-out)."""
+    """An engine seen under another KV config (what `RolloutEngine.with_kv` returns): generate() passes `kv` to
+    the engine's own `generate(..., kv=)`; model, weights and version stay the engine's."""
 
     def __init__(self, engine, kv) -> None:
         self.engine = engine

@@ -15,20 +15,8 @@ from slime_sparse.algo import LossConfig
 from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
-from slime_sparse.backends.optimizer import adamw
+from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_scale
 from slime_sparse.utils.checkpoint import load_training_state, save_training_state
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device=cuda but CUDA is not available")
-    return torch.device(name)
-
-
-def warmup_lambda(warmup_iters: int):
-    return lambda step: min(1.0, (step + 1) / warmup_iters) if warmup_iters > 0 else 1.0
 
 
 class EmbeddedLearner:
@@ -54,8 +42,9 @@ class EmbeddedLearner:
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, warmup_iters=warmup_iters, clip_grad=clip_grad)
         self.optimizer = adamw(model.named_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, warmup_lambda(warmup_iters))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_scale(step, optim))
         self.step = 0
 
     @property

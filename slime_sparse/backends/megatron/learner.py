@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,7 +41,7 @@ from slime_sparse.algo import LossConfig
 from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right
-from slime_sparse.backends.optimizer import adamw
+from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_at
 from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE, read_trainer_state, training_checkpoint_dir
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
@@ -56,21 +55,6 @@ from .model_config import ModelSpec, build_gpt_model, read_hf_config
 OPTIM_DIR = "optim"  # optimizer state
 RNG_DIR = "rng"  # one RNG file per rank
 LAYOUT_KEY = "megatron_layout"  # key in trainer_state.json's extra: the layout the per-rank files belong to
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_iters: int = 0
-    clip_grad: float = 1.0  # 0 disables clipping (the norm is still reported)
-
-
-def lr_at(step: int, optim: OptimConfig) -> float:
-    """Constant learning rate after a linear warmup (the embedded learner's schedule)."""
-    scale = min(1.0, (step + 1) / optim.warmup_iters) if optim.warmup_iters > 0 else 1.0
-    return optim.lr * scale
 
 
 def _groups():
@@ -491,29 +475,17 @@ def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> floa
     return norm
 
 
-def build_megatron_learner(cfg: Any, megatron: MegatronConfig | None = None) -> MegatronLearner:
-    """Build the learner from a `RunConfig` (train / loss / sampling sections); `megatron` defaults to
-    `cfg.megatron` when the run config has that section, else MegatronConfig(). Initialises the process
-    groups if the caller has not (single process: world size 1 over gloo / NCCL)."""
+def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: MegatronConfig, optim: OptimConfig, *,
+                           seed: int = 0, max_tokens: int = 16384, temperature: float = 1.0,
+                           params_dtype: torch.dtype = torch.float32) -> MegatronLearner:
+    """The learner with its weights from `hf_dir` (else `megatron.load`), a frozen reference copy when the loss
+    has a KL term, and Megatron's process groups, initialised here unless the caller (a launcher, Ray) did."""
     from .parallel import ParallelConfig, init_parallel
 
-    megatron = megatron or getattr(cfg, "megatron", None) or MegatronConfig()
-    t = cfg.train
-    owns_process_group = not dist.is_initialized()
-    if owns_process_group and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # a world of one needs no rendezvous: no port, no environment (torchrun-style launches set WORLD_SIZE)
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    init_parallel(ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=t.seed)
-    hf_dir = t.hf_checkpoint or None
+    owns_process_group = init_parallel(
+        ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=seed)
     hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
-    temperature = cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0
-    learner = MegatronLearner(
-        hf_config, cfg.loss, hf_dir=hf_dir, megatron=megatron,
-        optim=OptimConfig(lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-                          warmup_iters=t.lr_warmup_iters, clip_grad=t.clip_grad),
-        max_tokens=t.max_tokens_per_gpu, temperature=temperature, need_ref=cfg.loss.use_kl_loss,
-        params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
-    )
+    learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, max_tokens=max_tokens,
+                              temperature=temperature, need_ref=loss_cfg.use_kl_loss, params_dtype=params_dtype)
     learner.owns_process_group = owns_process_group
     return learner

@@ -15,6 +15,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from slime_sparse.utils.device import dist_backend
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -39,21 +41,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0, seed: int = 0) -> None:
-    """Initialise torch.distributed (from the environment, if not done yet) and Megatron's groups.
+def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0, seed: int = 0) -> bool:
+    """Initialise torch.distributed (if not done yet) and Megatron's groups; True when this call initialised
+    torch.distributed (its caller then owns the process group: destroy_parallel when done).
 
-    Backend: NCCL when CUDA is available, gloo otherwise (with the CPU shim applied). The TP RNG
-    tracker is seeded as Megatron does (`model_parallel_cuda_manual_seed`)."""
+    Not initialised yet: a world of one when the environment names no other rank (WORLD_SIZE unset or 1: no
+    rendezvous, no port), else the environment's (torchrun-style launchers). Backend: NCCL when CUDA is
+    available, gloo otherwise (with the CPU shim applied). The TP RNG tracker is seeded as Megatron does
+    (`model_parallel_cuda_manual_seed`)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
     from .cpu_shim import apply_cpu_shim
 
     on_gpu = torch.cuda.is_available()
-    if not dist.is_initialized():
+    backend = dist_backend("cuda" if on_gpu else "cpu")
+    created = not dist.is_initialized()
+    if created and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif created:
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     parallel.validate(dist.get_world_size())
     if not on_gpu:
         apply_cpu_shim()
@@ -68,6 +77,7 @@ def init_parallel(parallel: ParallelConfig, *, timeout_s: float = 600.0, seed: i
             raise ValueError(f"Megatron's groups are already initialised with {have}, asked for {parallel}")
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return created
 
 
 def destroy_parallel() -> None:

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, compress_indices, row_capacity, should_compress
+from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_next
 from slime_sparse.types import GenerationOutput, KVStats
 
@@ -111,6 +112,15 @@ class EmbeddedEngine:
                 own[name].copy_(src)  # state_dict() tensors share storage with the model's parameters
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
+    def sync_from(self, learner: WeightSource) -> None:
+        """Load the learner's current weights (in this process: its tensors, copied in place)."""
+        self.update_weights(dict(learner.named_weights()))
+
+    def with_kv(self, kv: KVCompressConfig) -> KVView:
+        """This engine under another KV config (dense evaluation): the same model, weights and version."""
+        kv.validate()
+        return KVView(self, kv)
+
     def release_memory(self) -> None:
         """The KV cache only lives inside generate(); all that is left to give back is allocator cache."""
         if self.device.type == "cuda":
@@ -121,10 +131,12 @@ class EmbeddedEngine:
 
     # ---- generation ----
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0, *,
+        kv: KVCompressConfig | None = None,
     ) -> list[GenerationOutput]:
         """`index_offset`: where these prompts sit in a larger call split across engines, so that sample
-        i always draws from the generator of (seed, index_offset + i) whichever engine runs it."""
+        i always draws from the generator of (seed, index_offset + i) whichever engine runs it.
+        `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`)."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         accepted = self._check_prompts(prompts, outputs)
@@ -137,7 +149,7 @@ class EmbeddedEngine:
                 for i in accepted
             ]
             with torch.inference_mode(), budget_attention_installed(self.model):
-                _Run(self, sequences, params).run(outputs)
+                _Run(self, sequences, params, self.kv if kv is None else kv).run(outputs)
         return outputs  # type: ignore[return-value]
 
     @staticmethod
@@ -179,10 +191,11 @@ class EmbeddedEngine:
 class _Run:
     """One generate() call: the cache, the queue and the decoding loop."""
 
-    def __init__(self, engine: EmbeddedEngine, sequences: list[Sequence], params: SamplingParams) -> None:
+    def __init__(self, engine: EmbeddedEngine, sequences: list[Sequence], params: SamplingParams,
+                 kv: KVCompressConfig) -> None:
         self.engine = engine
         self.model = engine.model
-        self.kv = engine.kv
+        self.kv = kv
         self.params = params
         self.waiting = deque(sequences)
         self.running: list[Sequence] = []  # running[r] lives in cache row r

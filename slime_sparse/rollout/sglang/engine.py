@@ -228,6 +228,10 @@ class SGLangRolloutEngine:
         self.request_params(kv)  # refuse an unsupported config now, not at the first evaluation
         return KVView(self, kv)
 
+    def sync_from(self, learner) -> None:
+        """Load the learner's current weights (a learner in this process: see rollout.base.WeightSource)."""
+        self.update_weights(dict(learner.named_weights()))
+
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load `state_dict` into every server through self.weight_sync, as `version` (default: the next one)."""
         if self.weight_sync is None:

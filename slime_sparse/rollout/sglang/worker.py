@@ -36,12 +36,13 @@ from .engine import SGLangRolloutEngine, TensorWeightSync, in_parallel, load_fro
 logger = logging.getLogger(__name__)
 
 
-def check_ray_layout(cfg, *, num_engines: int, servers_per_engine: int, colocate: bool, use_gpu: bool) -> None:
-    """Raise ValueError (naming the flags) unless the `sglang` section fits the Ray layout of `cfg` (a RunConfig)."""
+def check_ray_layout(spec, *, num_engines: int, servers_per_engine: int, colocate: bool, use_gpu: bool) -> None:
+    """Raise ValueError (naming the flags) unless the engines' `sglang` section (of a factory.EngineSpec) fits the
+    Ray layout."""
     from sglang_patches.settings import check_sglang_kv_config
 
-    check_sglang_kv_config(cfg.kv)
-    sg: SGLangEngineConfig = cfg.sglang
+    check_sglang_kv_config(spec.kv)
+    sg: SGLangEngineConfig = spec.sglang
     sg.validate()
     n = servers_per_engine
     if sg.attached:
@@ -69,34 +70,35 @@ def check_ray_layout(cfg, *, num_engines: int, servers_per_engine: int, colocate
                          f"engines of {n} servers need ports up to {max(last_port, last_router)} (> 65535)")
 
 
-def engine_config(cfg, index: int, servers_per_engine: int, gpu_ids: list[int] | None) -> SGLangEngineConfig:
-    """The `sglang` section of `cfg` as engine `index` runs it: its share of --sglang-server-urls; or its servers on
-    `gpu_ids`, on ports shifted past those of the engines before it (engines may share a node)."""
-    sg: SGLangEngineConfig = cfg.sglang
+def engine_config(spec, index: int, servers_per_engine: int, gpu_ids: list[int] | None) -> SGLangEngineConfig:
+    """The engines' `sglang` section (of a factory.EngineSpec) as engine `index` runs it: its share of
+    --sglang-server-urls; or its servers on `gpu_ids`, on ports shifted past those of the engines before it
+    (engines may share a node)."""
+    sg: SGLangEngineConfig = spec.sglang
     n = servers_per_engine
     if sg.attached:
         return dataclasses.replace(sg, server_urls=tuple(sg.server_urls[index * n:(index + 1) * n]), num_servers=n)
     return dataclasses.replace(
-        sg, model_path=cfg.train.hf_checkpoint, num_servers=n, gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
+        sg, num_servers=n, gpu_ids=None if gpu_ids is None else tuple(gpu_ids),
         base_port=sg.base_port + index * n, router_port=sg.router_port + index,
     )
 
 
 class SGLangEngineWorker:
-    """One SGLang engine in a Ray actor (see the module docstring). `gpu_ids`: the GPUs of the engine's bundles
-    (RayRolloutGroup asks Ray for them), one server each; unused when attaching to --sglang-server-urls."""
+    """One SGLang engine in a Ray actor (see the module docstring), built from a factory.EngineSpec. `servers`: how
+    many it runs (--rollout-num-gpus-per-engine); `gpu_ids`: the GPUs of the engine's bundles (RayRolloutGroup asks
+    Ray for them), one server each; unused when attaching to --sglang-server-urls."""
 
     # the weight plan its servers receive: SGLang's flattened buckets, no header (slime_sparse.ray.weight_sync)
     sync_format = "flat"
 
-    def __init__(self, cfg, index: int, timeout_s: float, *, gpu_ids: list[int] | None = None,
-                 log_dir: str = "sglang_logs") -> None:
+    def __init__(self, spec, index: int, timeout_s: float, *, servers: int = 1,
+                 gpu_ids: list[int] | None = None) -> None:
         self.index = index  # timeout_s (EngineWorker's signature) is unused: HTTP calls have their own bounds
-        servers = cfg.cluster.rollout_num_gpus_per_engine
-        sg = engine_config(cfg, index, servers, gpu_ids)
+        sg = engine_config(spec, index, servers, gpu_ids)
         self.engine = SGLangRolloutEngine.from_config(
-            sg, cfg.kv, Path(log_dir) / f"engine-{index}",
-            weight_sync=TensorWeightSync(cfg.cluster.update_weight_buffer_size),
+            sg, spec.kv, Path(spec.log_dir) / f"engine-{index}",
+            weight_sync=TensorWeightSync(spec.weight_bucket_bytes),
         )
         self._group_name: str | None = None  # the broadcast group the servers are in
         self._attached = sg.attached  # servers that outlive this actor (and keep its groups)

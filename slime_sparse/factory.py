@@ -1,0 +1,141 @@
+"""Build a learner and a rollout engine: the one place that knows which backend classes exist.
+
+Each role is built from a spec holding only what it reads (`LearnerSpec`, `EngineSpec`, taken from a RunConfig
+once). `components.build_components` builds both in this process; with --use-ray the actors of
+`ray/learner_group.py` and `ray/rollout_group.py` receive their spec and build the same objects inside the actor.
+Heavy backends (megatron-core, SGLang) are imported only when a spec selects them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+
+from slime_sparse.algo import LossConfig
+from slime_sparse.backends.megatron.config import MegatronConfig
+from slime_sparse.backends.optimizer import OptimConfig
+from slime_sparse.config import RunConfig, TrainConfig
+from slime_sparse.kv import KVCompressConfig
+from slime_sparse.rollout.sglang.config import SGLangEngineConfig
+from slime_sparse.utils.device import dist_backend, resolve_device
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str, *, device: torch.device, bf16: bool) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+
+
+def _absolute(path: str) -> str:
+    """Actors may run in another working directory: every path a spec carries is absolute ("" stays unset)."""
+    return os.path.abspath(path) if path else path
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """What a learner is built from, and all that a Ray learner rank receives."""
+
+    train: TrainConfig
+    loss: LossConfig
+    megatron: MegatronConfig
+    temperature: float  # of the sampler's log-probs, at which pi_old is recomputed (1 for greedy rollouts)
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig) -> "LearnerSpec":
+        return cls(
+            train=dataclasses.replace(cfg.train, hf_checkpoint=_absolute(cfg.train.hf_checkpoint)),
+            loss=cfg.loss,
+            megatron=dataclasses.replace(cfg.megatron, load=_absolute(cfg.megatron.load)),
+            temperature=cfg.sampling.temperature if cfg.sampling.temperature > 0 else 1.0,
+        )
+
+    @property
+    def optim(self) -> OptimConfig:
+        t = self.train
+        return OptimConfig(lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
+                           warmup_iters=t.lr_warmup_iters, clip_grad=t.clip_grad)
+
+
+def build_learner(spec: LearnerSpec):
+    """The learner of `spec.train.train_backend` (Megatron: its process groups too, unless a launcher made them)."""
+    t = spec.train
+    if t.train_backend == "megatron":
+        from slime_sparse.backends.megatron.learner import build_megatron_learner
+
+        return build_megatron_learner(
+            t.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=t.seed, max_tokens=t.max_tokens_per_gpu,
+            temperature=spec.temperature, params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+        )
+    from slime_sparse.backends.embedded.learner import EmbeddedLearner
+
+    model = load_model(t.hf_checkpoint, device=resolve_device(t.device), bf16=t.bf16)
+    return EmbeddedLearner(model, spec.loss, **dataclasses.asdict(spec.optim), max_tokens=t.max_tokens_per_gpu,
+                           temperature=spec.temperature, need_ref=spec.loss.use_kl_loss)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a rollout engine is built from, and all that a Ray engine actor receives."""
+
+    kind: str  # --rollout-engine: embedded | sglang
+    kv: KVCompressConfig
+    model_dir: str  # --hf-checkpoint
+    device: str  # --device
+    bf16: bool
+    max_batch_size: int  # sequences decoded at once (embedded)
+    max_prompt_len: int | None  # longer prompts are an error (embedded)
+    sglang: SGLangEngineConfig  # the servers (sglang), model_path set to model_dir
+    weight_bucket_bytes: int  # --update-weight-buffer-size: bytes per weight-sync bucket
+    log_dir: str  # where SGLang servers write their logs
+
+    @classmethod
+    def from_run(cls, cfg: RunConfig) -> "EngineSpec":
+        model_dir = _absolute(cfg.train.hf_checkpoint)
+        return cls(
+            kind=cfg.rollout.engine, kv=cfg.kv, model_dir=model_dir, device=cfg.train.device, bf16=cfg.train.bf16,
+            max_batch_size=cfg.rollout.max_batch_size, max_prompt_len=cfg.data.max_prompt_len,
+            sglang=dataclasses.replace(cfg.sglang, model_path=model_dir),
+            weight_bucket_bytes=cfg.cluster.update_weight_buffer_size,
+            log_dir=os.path.join(_absolute(cfg.log.run_dir), "sglang_logs"),
+        )
+
+
+def build_engine(spec: EngineSpec):
+    """The rollout engine of `spec.kind`, holding the weights of `spec.model_dir`."""
+    if spec.kind == "sglang":
+        return _sglang_engine(spec)
+    from slime_sparse.rollout.embedded import EmbeddedEngine
+
+    device = resolve_device(spec.device)
+    model = load_model(spec.model_dir, device=device, bf16=spec.bf16)
+    return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
+                          max_prompt_len=spec.max_prompt_len)
+
+
+def _sglang_engine(spec: EngineSpec):
+    """Patched SGLang servers (see sglang_patches/README.md), launched on this machine's GPUs or attached with
+    --sglang-server-urls, fed by broadcast from this process: they join one process group with it."""
+    import socket
+    from pathlib import Path
+
+    from slime_sparse.rollout.sglang import DistributedWeightSync, SGLangRolloutEngine
+
+    sync = DistributedWeightSync(bucket_bytes=spec.weight_bucket_bytes, timeout_s=spec.sglang.request_timeout_s)
+    engine = SGLangRolloutEngine.from_config(spec.sglang, spec.kv, Path(spec.log_dir), weight_sync=sync)
+    try:
+        # the servers connect back to this address, over NCCL when the learner's weights are on a GPU
+        address = os.environ.get("MASTER_ADDR", socket.gethostbyname(socket.gethostname()))
+        sync.init(engine.clients, address, dist_backend(resolve_device(spec.device)))
+    except BaseException:
+        engine.close()
+        raise
+    return engine
