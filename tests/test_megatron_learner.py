@@ -58,7 +58,7 @@ LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (TP, PP) on 2 ranks
 def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, ckpt_dir: str, tp: int, pp: int) -> dict:
     from slime_sparse.backends.megatron.hf_io import export_hf_weights
     from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner, OptimConfig
-    from slime_sparse.backends.megatron.learner import clip_grad_norm_tp
+    from slime_sparse.backends.megatron.optimizer import clip_grad_norm_tp
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
     from slime_sparse.factory import LearnerSpec, build_learner

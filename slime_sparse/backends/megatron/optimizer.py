@@ -13,13 +13,13 @@ Both offer the same calls: `wrap(model)` once, then per step `zero_grad()`, `ste
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
-from slime_sparse.backends.optimizer import OptimConfig, adamw
+from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_at
 
+from .checkpoint import rank_file
 from .config import MegatronConfig
 
 
@@ -27,11 +27,6 @@ def _groups():
     from megatron.core import parallel_state as ps
 
     return ps
-
-
-def rank_file(directory: str) -> str:
-    """This rank's file in a directory of per-rank files (optimizer state on CPU, RNG streams)."""
-    return os.path.join(directory, f"rank{dist.get_rank():05d}.pt")
 
 
 def clip_grad_norm_tp(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -72,7 +67,7 @@ class TorchAdamW:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model
-        self.optimizer = adamw(model.named_parameters(), lr=self.optim.lr, betas=self.optim.betas,
+        self.optimizer = adamw(model.named_parameters(), lr=lr_at(0, self.optim), betas=self.optim.betas,
                                weight_decay=self.optim.weight_decay)
         return model
 
