@@ -62,13 +62,13 @@ def eval_sampling(cfg):
     return dataclasses.replace(cfg.sampling, temperature=cfg.eval.eval_temperature)
 
 
-def evaluate_modes(cfg, comp, *, step: int, logger=None) -> dict[str, dict]:
+def evaluate_modes(cfg, components, *, step: int, logger=None) -> dict[str, dict]:
     """Evaluate the current weights under dense inference and, when compression is on, under it too."""
     modes = ["dense", "sparse"] if cfg.kv.enabled else ["dense"]
     out = {}
     for mode in modes:
-        engine = comp.eval_engine(mode)  # shares the rollout engine's (synced) weights
-        out[mode] = evaluate(engine, comp.eval_records, comp.tokenizer, comp.reward_fn, sampling=eval_sampling(cfg),
+        engine = components.eval_engine(mode)  # shares the rollout engine's (synced) weights
+        out[mode] = evaluate(engine, components.eval_records, components.tokenizer, components.reward_fn, sampling=eval_sampling(cfg),
                              n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed + step)
         if logger is not None:
             logger.log(step, {f"eval_{mode}/{k}": v for k, v in out[mode].items()})

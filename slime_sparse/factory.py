@@ -60,25 +60,26 @@ class LearnerSpec:
 
     @property
     def optim(self) -> OptimConfig:
-        t = self.train
-        return OptimConfig(lr=t.lr, weight_decay=t.weight_decay, betas=(t.adam_beta1, t.adam_beta2),
-                           warmup_iters=t.lr_warmup_iters, clip_grad=t.clip_grad)
+        train = self.train
+        return OptimConfig(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                           warmup_iters=train.lr_warmup_iters, clip_grad=train.clip_grad)
 
 
 def build_learner(spec: LearnerSpec):
     """The learner of `spec.train.train_backend` (Megatron: its process groups too, unless a launcher made them)."""
-    t = spec.train
-    if t.train_backend == "megatron":
+    train = spec.train
+    if train.train_backend == "megatron":
         from slime_sparse.backends.megatron.learner import build_megatron_learner
 
         return build_megatron_learner(
-            t.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=t.seed, max_tokens=t.max_tokens_per_gpu,
-            temperature=spec.temperature, params_dtype=torch.bfloat16 if t.bf16 else torch.float32,
+            train.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=train.seed,
+            max_tokens=train.max_tokens_per_gpu, temperature=spec.temperature,
+            params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
         )
     from slime_sparse.backends.embedded.learner import EmbeddedLearner
 
-    model = load_model(t.hf_checkpoint, device=resolve_device(t.device), bf16=t.bf16)
-    return EmbeddedLearner(model, spec.loss, **dataclasses.asdict(spec.optim), max_tokens=t.max_tokens_per_gpu,
+    model = load_model(train.hf_checkpoint, device=resolve_device(train.device), bf16=train.bf16)
+    return EmbeddedLearner(model, spec.loss, **dataclasses.asdict(spec.optim), max_tokens=train.max_tokens_per_gpu,
                            temperature=spec.temperature, need_ref=spec.loss.use_kl_loss)
 
 

@@ -102,11 +102,12 @@ def prepare_rollout(
 
 
 def split_steps(batch: TrainBatch, n_steps: int) -> list[TrainBatch]:
-    """Cut a rollout into `n_steps` global batches (in order, like slime), each with its own normalisers."""
+    """Cut a rollout into `n_steps` global batches (in order, like slime), each with its own normalisers: the
+    one place the loop sets them (learners and the Ray learner group only read them)."""
     size = len(batch) // n_steps
     out = []
     for k in range(n_steps):
         part = batch.select(list(range(k * size, (k + 1) * size)))
-        part.num_seqs, part.num_tokens = part.local_normalisers()
+        part.num_seqs, part.num_tokens = part.kept_counts()
         out.append(part)
     return out

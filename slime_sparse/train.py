@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
@@ -29,43 +30,45 @@ def rollout_seed(cfg: RunConfig, rollout_id: int) -> int:
     return cfg.train.seed * 1_000_003 + rollout_id
 
 
-def run_rollout(cfg: RunConfig, comp: Components, rollout_id: int) -> dict[str, float]:
+def is_due(step: int, interval: int, last_step: int) -> bool:
+    """The cadence of periodic actions (evaluation, checkpoints): after every `interval` rollouts (0: none in
+    between) and after the last one."""
+    return step == last_step or (interval > 0 and step % interval == 0)
+
+
+def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict[str, float]:
     n = cfg.rollout.n_samples_per_prompt
-    records = comp.stream.next_batch()
+    records = components.stream.next_batch()
     prompts = [r.prompt_ids for r in records for _ in range(n)]
 
     t0 = time.perf_counter()
-    outputs = comp.engine.generate(prompts, cfg.sampling, seed=rollout_seed(cfg, rollout_id))
+    outputs = components.engine.generate(prompts, cfg.sampling, seed=rollout_seed(cfg, rollout_id))
     t_rollout = time.perf_counter() - t0
     samples = to_samples(records, outputs, n)
-    metrics = assign_rewards(samples, comp.tokenizer, comp.reward_fn)
+    metrics = assign_rewards(samples, components.tokenizer, components.reward_fn)
 
     t1 = time.perf_counter()
     prepared = prepare_rollout(
-        samples, comp.learner, cfg.correction,
+        samples, components.learner, cfg.correction,
         normalize_std=cfg.rollout.advantage_estimator == "grpo", need_ref=cfg.loss.use_kl_loss,
     )
     t_recompute = time.perf_counter() - t1
     metrics.update(prepared.metrics)
 
     t2 = time.perf_counter()
-    step_metrics: list[dict[str, float]] = []
-    for part in split_steps(prepared.batch, cfg.steps_per_rollout):
-        step_metrics.append(comp.learner.train_step(part))
+    per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
     t_train = time.perf_counter() - t2
-    for key in sorted({k for m in step_metrics for k in m}):
-        vals = [m[key] for m in step_metrics if key in m]
-        metrics[key] = sum(vals) / len(vals)
+    metrics.update(mean_over_steps(per_step))
 
     t3 = time.perf_counter()
-    comp.sync_weights()
+    components.sync_weights()
     t_sync = time.perf_counter() - t3
 
     n_tokens = sum(len(s.response_ids) for s in samples)
     metrics.update({
         "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute, "perf/train_s": t_train, "perf/sync_s": t_sync,
         "perf/rollout_tokens_per_s": n_tokens / max(t_rollout, 1e-9),
-        "rollout/weight_version": float(comp.engine.weight_version),
+        "rollout/weight_version": float(components.engine.weight_version),
     })
     return metrics
 
@@ -75,24 +78,24 @@ def train(cfg: RunConfig) -> dict:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
     save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
     set_seed(cfg.train.seed)
-    comp = build_components(cfg)
+    components = build_components(cfg)
     save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
 
     start = 0
     resume_from = latest_checkpoint(save_dir)
     if resume_from:
-        start = comp.load_checkpoint(resume_from)
+        start = components.load_checkpoint(resume_from)
         logger.info("resumed from %s at rollout %d", resume_from, start)
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
                                 use_wandb=cfg.log.use_wandb, wandb_project=cfg.log.wandb_project,
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"evals": {}}
     try:
-        if start == 0 and comp.eval_records:
-            summary["evals"][0] = evaluate_modes(cfg, comp, step=0, logger=metrics_log)
-        progress = comp.progress(range(start, cfg.train.num_rollout), desc="rollouts", initial=start)
+        if start == 0 and components.eval_records:
+            summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=metrics_log)
+        progress = components.progress(range(start, cfg.train.num_rollout), desc="rollouts", initial=start)
         for rollout_id in progress:
-            metrics = run_rollout(cfg, comp, rollout_id)
+            metrics = run_rollout(cfg, components, rollout_id)
             step = rollout_id + 1
             metrics_log.log(step, metrics)
             if rollout_id == start:
@@ -101,14 +104,13 @@ def train(cfg: RunConfig) -> dict:
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                                  rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}")
-            last = step == cfg.train.num_rollout
-            if comp.eval_records and (last or (cfg.train.eval_interval and step % cfg.train.eval_interval == 0)):
-                summary["evals"][step] = evaluate_modes(cfg, comp, step=step, logger=metrics_log)
-            if last or (cfg.train.save_interval and step % cfg.train.save_interval == 0):
-                comp.save_checkpoint(save_dir, step)
+            if components.eval_records and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
+                summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
+            if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
+                components.save_checkpoint(save_dir, step)
     finally:
         metrics_log.close()
-        comp.close()
+        components.close()
     with open(os.path.join(cfg.log.run_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2, default=float)
     return summary

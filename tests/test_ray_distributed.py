@@ -24,7 +24,7 @@ from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_le
 from slime_sparse.config import ClusterConfig, load_config  # noqa: E402
 from slime_sparse.ray.build import build_ray_backends  # noqa: E402
 from slime_sparse.ray.layout import ClusterLayout, order_by_node, split_contiguous  # noqa: E402
-from slime_sparse.ray.learner_group import LearnerFailure, RayLearnerGroup, merge_rank_metrics  # noqa: E402
+from slime_sparse.ray.learner_group import LearnerFailure, RayLearnerGroup  # noqa: E402
 from slime_sparse.ray.placement import RayCluster  # noqa: E402
 from slime_sparse.ray.rollout_group import EngineWorker, RayRolloutGroup  # noqa: E402
 from slime_sparse.ray.utils import get  # noqa: E402
@@ -98,15 +98,6 @@ def test_split_contiguous_and_node_order():
     assert [list(p) for p in parts] == [[0, 1, 2], [3, 4], [5, 6]]
     assert [len(p) for p in split_contiguous(2, 4)] == [1, 1, 0, 0]
     assert order_by_node(["b", "a", "b", "a"]) == [0, 2, 1, 3]
-
-
-def test_merge_rank_metrics_by_hand():
-    ranks = [
-        {"train/loss": 0.25, "pg_clipfrac": 0.1, "train/grad_norm": 2.0, "train/lr": 1e-3, "loss/all_rejected": 0.0},
-        {"train/loss": -0.05, "train/grad_norm": 2.0, "train/lr": 1e-3, "loss/all_rejected": 1.0},  # empty shard
-    ]
-    assert merge_rank_metrics(ranks) == pytest.approx(
-        {"train/loss": 0.20, "pg_clipfrac": 0.1, "train/grad_norm": 2.0, "train/lr": 1e-3, "loss/all_rejected": 0.0})
 
 
 def test_bucket_plan_packs_every_dtype_bit_exactly():

@@ -5,8 +5,9 @@ metrics and weights. Every backend computes the loss with `slime_sparse.algo.pol
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 
@@ -20,7 +21,8 @@ class TrainBatch:
 
     Per-token fields hold one value per *response* token (length `response_lens[i]`).
     `num_seqs` / `num_tokens` are the normalisers of the whole optimizer step (all micro-batches and
-    data-parallel ranks), so each micro-batch's loss is scaled to sum to the global aggregate.
+    data-parallel ranks), so each micro-batch's loss is scaled to sum to the global aggregate. The training
+    loop sets them in one place, `pipeline.split_steps`; `select` carries them into micro-batches and shards.
     """
 
     tokens: list[list[int]]
@@ -36,21 +38,30 @@ class TrainBatch:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def local_normalisers(self) -> tuple[float, float]:
+    def kept_counts(self) -> tuple[float, float]:
         """(sequences with a kept token, kept tokens) of this batch alone."""
         kept = [float(m.sum()) for m in self.loss_masks]
         return float(sum(k > 0 for k in kept)), float(sum(kept))
 
+    def step_normalisers(self) -> tuple[float, float]:
+        """The step's (num_seqs, num_tokens): as set by the loop, else (a batch handed over on its own is one
+        whole step) this batch's own kept counts."""
+        if self.num_seqs is None or self.num_tokens is None:
+            return self.kept_counts()
+        return self.num_seqs, self.num_tokens
+
+    def as_step(self) -> "TrainBatch":
+        """This batch with its step's normalisers written in, so every part cut from it (`select`) carries them."""
+        num_seqs, num_tokens = self.step_normalisers()
+        return dataclasses.replace(self, num_seqs=num_seqs, num_tokens=num_tokens)
+
     def checked_normalisers(self, *, needs_ref: bool) -> tuple[float, float]:
-        """What every learner's train_step needs: inputs present, and the step's (num_seqs, num_tokens)
-        (the global ones when the loop set them, else this batch's own)."""
+        """What every learner's train_step needs: inputs present, and the step's (num_seqs, num_tokens)."""
         if self.old_logprobs is None:
             raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
         if needs_ref and self.ref_logprobs is None:
             raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
-        if self.num_seqs is None or self.num_tokens is None:
-            return self.local_normalisers()
-        return self.num_seqs, self.num_tokens
+        return self.step_normalisers()
 
     def select(self, idx: list[int]) -> "TrainBatch":
         pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
@@ -76,19 +87,6 @@ def microbatch_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: TrainB
     return policy_loss(logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), cfg,
                        weights=pad(mb.weights), logp_ref=pad(mb.ref_logprobs), entropy=entropy,
                        num_seqs=num_seqs, num_tokens=num_tokens)
-
-
-def sum_metrics(per_microbatch: list[dict[str, Any]]) -> dict[str, float]:
-    """One step's metrics from its micro-batches'. They are normalised by the step's global counts, like the
-    loss, so they add up; `loss/all_rejected` is 1 only if every micro-batch had nothing left to train on."""
-    totals: dict[str, float] = {"loss/all_rejected": 1.0}
-    for metrics in per_microbatch:
-        for k, v in metrics.items():
-            if k == "loss/all_rejected":
-                totals[k] = min(totals[k], float(v))
-            else:
-                totals[k] = totals.get(k, 0.0) + float(v)
-    return totals
 
 
 class Learner(Protocol):

@@ -9,14 +9,14 @@ The ranks join one torch.distributed group (NCCL on GPU, gloo on CPU) and hold e
 The driver splits each optimizer step's batch into DP shards, balanced by token count; each rank runs
 its shard with the step's *global* normalisers (num_seqs / num_tokens), and the learner sums the
 gradients over the data-parallel ranks before clipping and the optimizer step, so the update equals the
-single-process update on the whole batch and the replicas stay identical.
+single-process update on the whole batch and the replicas stay identical. The ranks' metrics combine by
+the rules of `backends.metrics` (one replica's ranks speak once).
 
 Failure policy: a rank that dies ends the run (LearnerFailure). Checkpoints are committed atomically by
 rank 0, so the last one is intact and rerunning the same command resumes from it.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.batching import balance_by_tokens
+from slime_sparse.backends.metrics import merge_parts
 from slime_sparse.factory import LearnerSpec, build_learner
 from slime_sparse.utils.device import dist_backend, resolve_device
 
@@ -38,43 +39,8 @@ from .weight_sync import Bucket, FlatPlan, new_group, open_store, plan_buckets, 
 
 logger = logging.getLogger(__name__)
 
-# Metrics every rank computes after the gradient all-reduce: identical across ranks, reported once.
-REPLICATED_METRICS = ("train/grad_norm", "train/lr")
-# Metrics that hold for the step only if they hold on every rank.
-MIN_METRICS = ("loss/all_rejected",)
-
-
 class LearnerFailure(RuntimeError):
     """A learner rank died: the run stops; rerun the same command to resume from the last checkpoint."""
-
-
-def merge_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One step's metrics from its ranks' metrics.
-
-    The learner normalises every loss term by the step's global counts, so the ranks' values add up to the
-    full-batch value (as its micro-batches' do); grad norm and lr are taken after the all-reduce, equal on
-    every rank; "all rejected" is true only if it is on every rank. A key missing on a rank (an empty
-    shard logs no loss terms) contributes nothing.
-    """
-    merged: dict[str, float] = {}
-    for key in sorted({k for m in per_rank for k in m}):
-        values = [m[key] for m in per_rank if key in m]
-        if key in REPLICATED_METRICS:
-            merged[key] = values[0]
-        elif key in MIN_METRICS:
-            merged[key] = min(values)
-        else:
-            merged[key] = sum(values)
-    return merged
-
-
-def with_global_normalisers(batch: TrainBatch) -> TrainBatch:
-    """`batch` with num_seqs / num_tokens set from its loss masks when the caller left them out
-    (the same counts the single-process learner derives), so that every shard normalises alike."""
-    if batch.num_seqs is not None and batch.num_tokens is not None:
-        return batch
-    kept = [float(m.sum()) for m in batch.loss_masks]
-    return dataclasses.replace(batch, num_seqs=float(sum(k > 0 for k in kept)), num_tokens=float(sum(kept)))
 
 
 @dataclass(frozen=True)
@@ -268,12 +234,12 @@ class RayLearnerGroup:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step: data shards balanced by tokens, every rank called (an empty shard still joins
         the gradient all-reduce); the ranks of one replica get the same shard."""
-        batch = with_global_normalisers(batch)
+        batch = batch.as_step()  # every shard normalises by the whole step
         parts = balance_by_tokens([len(t) for t in batch.tokens], self.dp_size)
         shards = [ray.put(batch.select(p)) for p in parts]  # stored once, fetched by each rank of the replica
         refs = [w.train_step.remote(shards[r.dp_rank]) for w, r in zip(self.workers, self.ranks)]
         per_rank = self._call(refs, "train_step")
-        return merge_rank_metrics([per_rank[i] for i in self._leaders])
+        return merge_parts([per_rank[i] for i in self._leaders])
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Rank 0's weights, copied to this process (use weights_ref() to pass them on without that copy)."""

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from slime_sparse.algo import LossConfig
-from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
+from slime_sparse.backends.base import TrainBatch, microbatch_loss
+from slime_sparse.backends.metrics import step_metrics
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
 from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_scale
@@ -78,7 +79,7 @@ class EmbeddedLearner:
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {"train/loss": 0.0, **sum_metrics(reported), "train/grad_norm": float(grad_norm),
+        return {**step_metrics(reported), "train/grad_norm": float(grad_norm),
                 "train/lr": self.scheduler.get_last_lr()[0]}
 
     def _all_reduce_grads(self) -> None:

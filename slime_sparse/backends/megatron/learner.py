@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from slime_sparse.algo import LossConfig
-from slime_sparse.backends.base import TrainBatch, microbatch_loss, sum_metrics
+from slime_sparse.backends.base import TrainBatch, microbatch_loss
 from slime_sparse.backends.batching import pack_by_tokens
 from slime_sparse.backends.logprobs import pad_right
+from slime_sparse.backends.metrics import step_metrics
 from slime_sparse.backends.optimizer import OptimConfig, lr_at
 
 from . import checkpoint as ckpt
@@ -218,8 +219,7 @@ class MegatronLearner:
             self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False)
         grad_norm = self.optimizer.step(lr)
         self.step += 1
-        totals = {"train/loss": 0.0, **sum_metrics(reported)}
-        return {**self._from_last_stage(totals), "train/grad_norm": grad_norm, "train/lr": lr}
+        return {**self._from_last_stage(step_metrics(reported)), "train/grad_norm": grad_norm, "train/lr": lr}
 
     # ---- weights & state -------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
