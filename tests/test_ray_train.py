@@ -39,14 +39,21 @@ def final_weights(run_dir, step):
     return load_file(str(run_dir / "checkpoints" / f"rollout_{step:06d}" / "model" / "model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def local_run(assets, tmp_path_factory):
+    """The embedded (single-process) run of the same command: the reference of every layout."""
+    local = tmp_path_factory.mktemp("local") / "run"
+    assert main(args(assets, local, 2)) == 0
+    return local
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param([], id="disaggregated"),
     # learner ranks and engines share bundles; weights handed over through the object store
-    pytest.param(["--colocate"], id="colocated", marks=pytest.mark.slow),
+    pytest.param(["--colocate"], id="colocated"),
 ])
-def test_tiny_recipe_on_ray_matches_the_embedded_run(local_ray, assets, tmp_path, layout):
-    local, on_ray = tmp_path / "local", tmp_path / "ray"
-    assert main(args(assets, local, 2)) == 0
+def test_tiny_recipe_on_ray_matches_the_embedded_run(local_ray, assets, local_run, tmp_path, layout):
+    local, on_ray = local_run, tmp_path / "ray"
     assert main(args(assets, on_ray, 2, *RAY_FLAGS, *layout)) == 0
 
     a, b = rollout_rows(local), rollout_rows(on_ray)
