@@ -51,7 +51,10 @@ def test_converter_arguments_are_validated(tmp_path):
 
 @pytest.mark.megatron
 @pytest.mark.slow
-def test_hf_megatron_hf_round_trip_is_exact(tmp_path):
+def test_hf_megatron_hf_round_trip_is_exact(tmp_path, monkeypatch):
+    # the tools hide the GPUs (CUDA_VISIBLE_DEVICES="") in this process: undone after the test, or a later
+    # ray.init(num_gpus=...) in the same pytest process refuses to start
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     hf_dir, mcore_dir, back_dir = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     original = _tiny_qwen2(hf_dir)
     _tool("convert_hf_to_megatron").main(["--hf-dir", str(hf_dir), "--out-dir", str(mcore_dir), "--tp", "2", "--dtype", "float32"])
