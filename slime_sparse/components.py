@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from slime_sparse.config import RunConfig
 from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
-from slime_sparse.eval import load_eval_records
+from slime_sparse.eval import load_eval_sets
 from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner, load_tokenizer
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import get_reward_fn
@@ -29,7 +29,7 @@ class Components:
     reward_fn: Callable
     learner: Any
     engine: Any
-    eval_records: list = field(default_factory=list)
+    eval_sets: dict = field(default_factory=dict)  # {name: records} of each --eval-prompt-data set
     placement: Any = None  # what holds the learner and engine besides themselves (Ray: actors' placement group)
     _eval_engines: dict = field(default_factory=dict)
 
@@ -89,7 +89,7 @@ def build_components(cfg: RunConfig) -> Components:
             f"{cfg.rollout.rollout_batch_size} prompts, but {len(dataset)} prompts x --num-epoch={cfg.data.num_epochs} "
             f"give only {stream.num_batches}"
         )
-    eval_records = load_eval_records(cfg, tokenizer)
+    eval_sets = load_eval_sets(cfg, tokenizer)
     reward_fn = get_reward_fn(cfg.reward)
     try:
         learner, engine, placement = build_backends(cfg)
@@ -97,7 +97,7 @@ def build_components(cfg: RunConfig) -> Components:
         getattr(reward_fn, "close", lambda: None)()
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
-                            engine=engine, eval_records=eval_records, placement=placement)
+                            engine=engine, eval_sets=eval_sets, placement=placement)
     try:
         components.sync_weights()
     except BaseException:

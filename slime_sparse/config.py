@@ -23,17 +23,20 @@ import yaml
 
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
-from slime_sparse.backends.megatron.config import MegatronConfig  # megatron-core itself is imported only when used
+from slime_sparse.backends.megatron.config import MEGATRON_LM_TRACKER, MegatronConfig  # no megatron-core import
 from slime_sparse.data.prompt_dataset import DataConfig
-from slime_sparse.flags import NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, flag_for
+from slime_sparse.flags import ARG, DISABLE_PREFIX, NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, SPELLINGS, flag_for
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig, split_passthrough
+from slime_sparse.utils.checkpoint import STATE_FILE
 
 TRAIN_BACKENDS = ("embedded", "megatron")
 ROLLOUT_ENGINES = ("embedded", "sglang")
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo")
+ADVANTAGE_ESTIMATORS = ("grpo",)
+# our former estimator name, kept as a spelling of slime's --disable-grpo-std-normalization
+DR_GRPO = "dr_grpo"
 
 
 @dataclass(frozen=True)
@@ -44,12 +47,26 @@ class RolloutConfig:
     n_samples_per_prompt: int = 8
     engine: str = "embedded"
     max_batch_size: int = 64  # sequences decoded at once per engine
-    advantage_estimator: str = "grpo"  # grpo: (R - mean) / (std + eps); dr_grpo: R - mean
+    advantage_estimator: str = field(default="grpo", metadata={"help": (
+        "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples; dr_grpo is accepted as the spelling of "
+        "grpo with --disable-grpo-std-normalization")})
+    grpo_std_normalization: bool = field(default=True, metadata={"help": (
+        "divide GRPO advantages by the group's std; --disable-grpo-std-normalization: A = R - mean (Dr.GRPO)")})
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "RolloutConfig":
+        values = dict(values)
+        if values.get("advantage_estimator") == DR_GRPO:
+            values.update(advantage_estimator="grpo", grpo_std_normalization=False)
+        return cls(**values)
 
     def validate(self) -> None:
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size")
         _choice(self, "engine", ROLLOUT_ENGINES)
         _choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(frozen=True)
@@ -60,9 +77,28 @@ class TrainConfig:
     train_backend: str = "embedded"
     num_rollout: int = 100
     global_batch_size: int = 256  # samples per optimizer step; rollout samples / this = steps per rollout
-    max_tokens_per_gpu: int = 16384  # micro-batch budget in (padded) tokens
+    use_dynamic_batch_size: bool | None = field(default=None, metadata={"help": (
+        "micro-batches packed up to --max-tokens-per-gpu (padded) tokens, as in slime; off: --micro-batch-size "
+        "samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one sample per micro-batch; "
+        "here on because packing gives the same gradients with fewer forward passes)")})
+    max_tokens_per_gpu: int = field(default=16384, metadata={"help": (
+        "token budget of a micro-batch under dynamic batching, counted padded (rows x longest row: our learners "
+        "pad, slime packs); also bounds the dense log-prob recompute (slime's --log-probs-max-tokens-per-gpu "
+        "default). slime has no default (it is required there); 16384 here fits the CPU default and a 0.5B model")})
+    micro_batch_size: int | None = field(default=None, metadata={"help": (
+        "samples per micro-batch without dynamic batching (slime's default 1); ignored under "
+        "--use-dynamic-batch-size, as in slime")})
     lr: float = 1e-6
-    lr_warmup_iters: int = 0
+    lr_decay_style: str = field(default="constant", metadata={"help": (
+        "constant | linear | cosine, Megatron's schedules (from transformers on the embedded learner, Megatron's "
+        "OptimizerParamScheduler on the Megatron one). slime inherits Megatron's default linear (to --min-lr over "
+        "the run); constant here: the paper's setting, and what every slime RL script passes")})
+    min_lr: float = field(default=0.0, metadata={"help": "the lr that linear / cosine decay ends at (Megatron's)"})
+    lr_decay_iters: int | None = field(default=None, metadata={"help": (
+        "optimizer steps over which linear / cosine decays (then --min-lr); default: all steps of the run, "
+        "--num-rollout x steps per rollout, as slime")})
+    lr_warmup_iters: int = field(default=0, metadata={"help": (
+        "optimizer steps of linear warm-up from 0 to --lr (Megatron's: the first step runs at lr 0)")})
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.98
@@ -70,6 +106,10 @@ class TrainConfig:
     bf16: bool = False
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 42
+    load: str = field(default="", metadata={"help": (
+        "resume from the newest checkpoint in this directory (or from this checkpoint directory itself), as "
+        "slime's --load; a directory without a checkpoint starts a fresh run. Default: --save's directory, so a "
+        "rerun command resumes (slime starts fresh without --load)")})
     save: str = ""  # checkpoint directory; default <run_dir>/checkpoints
     save_interval: int = 0  # rollouts between checkpoints (0: only at the end)
     keep_last: int = 2
@@ -78,28 +118,105 @@ class TrainConfig:
     def validate(self) -> None:
         _choice(self, "train_backend", TRAIN_BACKENDS)
         _choice(self, "device", ("auto", "cpu", "cuda"))
+        _choice(self, "lr_decay_style", LR_DECAY_STYLES)
         _positive(self, "num_rollout", "global_batch_size", "max_tokens_per_gpu", "keep_last", "lr")
-        _non_negative(self, "weight_decay", "clip_grad", "lr_warmup_iters", "save_interval", "eval_interval")
+        _non_negative(self, "weight_decay", "clip_grad", "lr_warmup_iters", "save_interval", "eval_interval", "min_lr")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{_flag(self, name)}={getattr(self, name)} is invalid: must lie in [0, 1)")
         if self.hf_checkpoint and not os.path.isdir(self.hf_checkpoint):
             raise ValueError(f"{_flag(self, 'hf_checkpoint')}={self.hf_checkpoint!r} is not a local directory")
+        if self.micro_batch_size is not None:
+            _positive(self, "micro_batch_size")
+        self._validate_schedule()
+        if self.load:
+            self._validate_load()
+
+    def _validate_schedule(self) -> None:
+        if self.lr_decay_style == "constant":
+            if self.min_lr:
+                raise ValueError(f"{_flag(self, 'min_lr')}={self.min_lr} has no effect with "
+                                 f"{_flag(self, 'lr_decay_style')} constant: choose linear or cosine")
+            return
+        if self.min_lr >= self.lr:
+            raise ValueError(f"{_flag(self, 'min_lr')}={self.min_lr} must be below {_flag(self, 'lr')}={self.lr}")
+        if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ValueError(f"{_flag(self, 'lr_decay_iters')}={self.lr_decay_iters} must exceed "
+                             f"{_flag(self, 'lr_warmup_iters')}={self.lr_warmup_iters} (decay follows warm-up)")
+
+    def _validate_load(self) -> None:
+        """--load is our training checkpoint (or a directory of them), or a directory with none yet (fresh start)."""
+        flag = _flag(self, "load")
+        if os.path.exists(self.load) and not os.path.isdir(self.load):
+            raise ValueError(f"{flag}={self.load!r} is not a directory")
+        if os.path.isfile(os.path.join(self.load, MEGATRON_LM_TRACKER)):
+            raise ValueError(f"{flag}={self.load!r} is a Megatron-LM checkpoint: we resume only our own training "
+                             f"checkpoints (a run starts from {_flag(self, 'hf_checkpoint')})")
+        if os.path.isfile(os.path.join(self.load, "config.json")) and not os.path.isfile(
+                os.path.join(self.load, STATE_FILE)):
+            raise ValueError(f"{flag}={self.load!r} is a Hugging Face model, not a training checkpoint: start from it "
+                             f"with {_flag(self, 'hf_checkpoint')}")
+
+    @property
+    def dynamic_batching(self) -> bool:
+        """--use-dynamic-batch-size as resolved: on unless --micro-batch-size is given alone."""
+        if self.use_dynamic_batch_size is not None:
+            return self.use_dynamic_batch_size
+        return self.micro_batch_size is None
 
 
 @dataclass(frozen=True)
 class EvalConfig:
     SECTION: ClassVar[str] = "eval"
 
-    eval_prompt_data: str = ""  # local jsonl/parquet; empty: no evaluation
+    eval_prompt_data: tuple[str, ...] = field(default=(), metadata={"help": (
+        "evaluation sets as slime's NAME PATH [NAME PATH ...] (each logged as eval_<mode>/<NAME>/...), or one "
+        "bare PATH (logged as eval_<mode>/...); local jsonl / parquet; none: no evaluation")})
     n_samples_per_eval_prompt: int = 1
     eval_max_prompts: int = 0  # 0: all
-    eval_temperature: float = 0.0  # greedy by default; evaluated densely and, if on, under the rollout's compression
+    eval_temperature: float = field(default=0.0, metadata={"help": (
+        "sampling temperature of evaluation; slime's default is the rollout's, here 0 (greedy) so that pass@1 "
+        "is deterministic. Evaluated densely and, if on, under the rollout's compression")})
+    eval_top_p: float | None = None  # None: --rollout-top-p
+    eval_top_k: int | None = None  # None: --rollout-top-k
+    eval_max_response_len: int | None = None  # None: --rollout-max-response-len
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "EvalConfig":
+        values = dict(values)
+        if isinstance(values.get("eval_prompt_data"), str):  # one bare path (YAML, older configs)
+            values["eval_prompt_data"] = (values["eval_prompt_data"],) if values["eval_prompt_data"] else ()
+        return cls(**values)
+
+    @property
+    def datasets(self) -> list[tuple[str, str]]:
+        """(name, path) of each evaluation set; a bare path has the name "" (its metrics keep the plain keys)."""
+        data = self.eval_prompt_data
+        if len(data) == 1:
+            return [("", data[0])]
+        return list(zip(data[::2], data[1::2]))
 
     def validate(self) -> None:
         _positive(self, "n_samples_per_eval_prompt")
-        if self.eval_prompt_data and not os.path.exists(self.eval_prompt_data):
-            raise ValueError(f"{_flag(self, 'eval_prompt_data')}={self.eval_prompt_data!r} does not exist")
+        flag = _flag(self, "eval_prompt_data")
+        if len(self.eval_prompt_data) > 1 and len(self.eval_prompt_data) % 2:
+            raise ValueError(f"{flag} takes one PATH or NAME PATH pairs, got {len(self.eval_prompt_data)} values: "
+                             f"{' '.join(self.eval_prompt_data)}")
+        names = [name for name, _ in self.datasets]
+        if len(set(names)) < len(names):
+            raise ValueError(f"{flag} names each set once, got {names}")
+        for name, path in self.datasets:
+            if "/" in name or name.startswith("-"):
+                raise ValueError(f"{flag}: {name!r} is not a set name (NAME PATH pairs: the name comes first)")
+            if not os.path.exists(path):
+                raise ValueError(f"{flag} {name + ' ' if name else ''}{path!r}: file does not exist")
+        if self.eval_max_response_len is not None:
+            _positive(self, "eval_max_response_len")
+        if self.eval_top_p is not None and not 0.0 < self.eval_top_p <= 1.0:
+            raise ValueError(f"{_flag(self, 'eval_top_p')}={self.eval_top_p} must lie in (0, 1]")
+
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass(frozen=True)
@@ -107,14 +224,30 @@ class LogConfig:
     SECTION: ClassVar[str] = "log"
 
     run_dir: str = "runs/default"
-    use_tensorboard: bool = True
+    use_tensorboard: bool = field(default=True, metadata={"help": (
+        "TensorBoard events (and the run config as text) under <run-dir>/tensorboard; slime: off by default, here "
+        "on so that every run's curves can be looked at (--no-use-tensorboard turns it off)")})
     use_wandb: bool = False
-    wandb_project: str = "slime_sparse"
+    wandb_project: str = field(default="slime_sparse", metadata={"help": "W&B project (slime: none, W&B's default)"})
+    wandb_team: str | None = None  # W&B entity (slime's flag)
+    wandb_group: str | None = None  # W&B group of the run
+    wandb_run_name: str | None = None  # W&B display name (slime names the run after --wandb-group)
+    wandb_mode: str | None = field(default=None, metadata={"help": (
+        "online | offline | disabled; unset: W&B's own (the WANDB_MODE variable, else online). offline writes "
+        "the run under <run-dir>/wandb with no network (upload later with `wandb sync`)")})
+    wandb_host: str | None = None  # W&B server URL (e.g. a local server); the API key comes from WANDB_API_KEY
     progress: bool = True
 
     def validate(self) -> None:
         if not self.run_dir:
             raise ValueError(f"{_flag(self, 'run_dir')} must not be empty")
+        if self.wandb_mode is not None:
+            _choice(self, "wandb_mode", WANDB_MODES)
+        if not self.use_wandb:
+            unused = [_flag(self, n) for n in ("wandb_team", "wandb_group", "wandb_run_name", "wandb_mode", "wandb_host")
+                      if getattr(self, n) is not None]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} need {_flag(self, 'use_wandb')}")
 
 
 UPDATE_WEIGHT_MODES = ("auto", "broadcast", "tensor")
@@ -191,15 +324,18 @@ class RunConfig:
         load time, so that nothing downstream rewrites the config:
         - Dr.GRPO's constant normaliser (`--loss-agg-mode seq-mean-token-sum-norm` without a norm_len): the
           generation budget, --rollout-max-response-len;
-        - no --rollout-stop-token-ids: stop at the EOS of the tokenizer in --hf-checkpoint."""
-        loss, sampling = self.loss, self.sampling
+        - no --rollout-stop-token-ids: stop at the EOS of the tokenizer in --hf-checkpoint;
+        - no --lr-decay-iters: every optimizer step of the run, --num-rollout x steps per rollout (slime's rule)."""
+        loss, sampling, train = self.loss, self.sampling, self.train
         if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_len is None:
             loss = dataclasses.replace(loss, norm_len=sampling.max_new_tokens)
         if not sampling.stop_token_ids:
             eos = tokenizer_eos_id(self.train.hf_checkpoint)
             if eos is not None:
                 sampling = dataclasses.replace(sampling, stop_token_ids=(eos,))
-        return dataclasses.replace(self, loss=loss, sampling=sampling)
+        if train.lr_decay_iters is None:
+            train = dataclasses.replace(train, lr_decay_iters=train.num_rollout * self.steps_per_rollout)
+        return dataclasses.replace(self, loss=loss, sampling=sampling, train=train)
 
     def validate(self) -> None:
         for section in SECTIONS:
@@ -208,6 +344,10 @@ class RunConfig:
             raise ValueError(f"{flag_for('data', 'prompt_data')} is required: a local jsonl or parquet file of prompts")
         if not self.train.hf_checkpoint:
             raise ValueError(f"{flag_for('train', 'hf_checkpoint')} is required: a local Hugging Face model directory")
+        if self.megatron.load and self.train.train_backend != "megatron":
+            raise ValueError(f"{flag_for('megatron', 'load')} (a Megatron checkpoint) needs "
+                             f"{flag_for('train', 'train_backend')} megatron: the embedded learner starts from "
+                             f"{flag_for('train', 'hf_checkpoint')}")
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -228,6 +368,8 @@ SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig))
 if SECTIONS != tuple(SECTION_PREFIXES):
     raise RuntimeError(f"slime_sparse.flags.SECTION_PREFIXES {tuple(SECTION_PREFIXES)} must list {SECTIONS}")
 SECTION_TYPES: dict[str, type] = {name: typing.get_type_hints(RunConfig)[name] for name in SECTIONS}
+# argparse destination prefix of slime's spellings (they are no field; `_spelled_values` turns them into fields)
+SPELLING_DEST = "spelling:"
 # files of a tokenizer saved by save_pretrained (one of them is enough for AutoTokenizer)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -269,17 +411,21 @@ def build_section(section: str, values: Mapping[str, Any], source: str = "config
     return from_dict(typed) if from_dict is not None else cls(**typed)
 
 
-def _parse_value(tp: Any, raw: str, flag: str) -> Any:
-    """Turn a command-line string into a value of annotation `tp` (int, float, str, bool, Optional, tuple)."""
+def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
+    """Turn command-line strings into a value of annotation `tp` (int, float, str, bool, Optional, tuple). A tuple
+    flag takes several arguments (slime's nargs="+"); numbers may also come comma-separated in one."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw.lower() in ("none", "null", ""):
+        if isinstance(raw, str) and raw.lower() in ("none", "null", ""):
             return None
         return _parse_value(args[0], raw, flag)
     if origin is tuple:
         (elem, *_rest) = typing.get_args(tp)
-        return tuple(_parse_value(elem, x, flag) for x in raw.replace(",", " ").split())
+        items = raw if isinstance(raw, list) else [raw]
+        if elem is not str:
+            items = [x for item in items for x in item.replace(",", " ").split()]
+        return tuple(_parse_value(elem, x, flag) for x in items)
     if tp is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True
@@ -310,11 +456,22 @@ def build_parser() -> argparse.ArgumentParser:
             seen[flag] = f"{section}.{f.name}"
             tp = _field_type(cls, f.name)
             helptext = f.metadata.get("help")
-            if tp is bool:
-                parser.add_argument(flag, dest=f"{section}.{f.name}", action=argparse.BooleanOptionalAction,
-                                    help=helptext)
+            dest = f"{section}.{f.name}"
+            if tp is bool and flag.startswith(DISABLE_PREFIX):  # slime's store_false switch
+                parser.add_argument(flag, dest=dest, action="store_false", help=helptext)
+            elif tp is bool or tp == bool | None:
+                parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=helptext)
             else:
-                parser.add_argument(flag, dest=f"{section}.{f.name}", metavar=_metavar(tp), help=helptext)
+                nargs = "+" if _tuple_type(tp) else None
+                parser.add_argument(flag, dest=dest, metavar=_metavar(tp), nargs=nargs, help=helptext)
+    for flag, spelling in SPELLINGS.items():
+        if flag in seen:
+            raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and a slime spelling")
+        dest = SPELLING_DEST + flag
+        if "type" in spelling:
+            parser.add_argument(flag, dest=dest, metavar=spelling["type"].__name__.upper(), help=spelling["help"])
+        else:
+            parser.add_argument(flag, dest=dest, action="store_true", help=spelling["help"])
     return parser
 
 
@@ -340,13 +497,38 @@ def _read_yaml(path: str) -> Mapping[str, Mapping[str, Any]]:
 
 
 def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{section: {field: typed value}} of the parsed flags (dest "section.field")."""
+    """{section: {field: typed value}} of the parsed flags (dest "section.field"), slime's spellings included."""
     out: dict[str, dict[str, Any]] = {}
     for dest, raw in args.items():
+        if dest.startswith(SPELLING_DEST):
+            continue
         section, name = dest.split(".", 1)
         tp = _field_type(SECTION_TYPES[section], name)
         out.setdefault(section, {})[name] = raw if isinstance(raw, bool) else _parse_value(tp, raw, flag_for(section, name))
+    for (section, name), value in _spelled_values(args, out).items():
+        out.setdefault(section, {})[name] = value
     return out
+
+
+def _spelled_values(args: Mapping[str, Any], own: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], Any]:
+    """The field values slime's spellings given in `args` set (flags.SPELLINGS); a spelling without the one it
+    needs, or a field its own flag (in `own`) sets to another value, is refused."""
+    given = {flag: args[SPELLING_DEST + flag] for flag in SPELLINGS if SPELLING_DEST + flag in args}
+    values: dict[tuple[str, str], Any] = {}
+    for flag, raw in given.items():
+        spelling = SPELLINGS[flag]
+        needs = spelling.get("needs")
+        if needs and needs not in given:
+            raise ValueError(f"{flag} has no effect without {needs}")
+        arg = _parse_value(spelling["type"], raw, flag) if "type" in spelling else None
+        for key, value in spelling["sets"].items():
+            section, name = key.split(".", 1)
+            value = arg if value == ARG else value
+            if name in own.get(section, {}) and own[section][name] != value:
+                raise ValueError(f"{flag} sets {flag_for(section, name)}={value!r}, but it is also given as "
+                                 f"{own[section][name]!r}: use one of the two")
+            values[section, name] = value
+    return values
 
 
 def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> RunConfig:

@@ -2,6 +2,7 @@
 
     slime-sparse-eval --hf-checkpoint MODEL --eval-prompt-data test.jsonl --kv-method rkv --kv-budget 512 \
         --n-samples-per-eval-prompt 4 --output report.json
+    slime-sparse-eval ... --eval-prompt-data gsm8k gsm8k.jsonl math500 math500.jsonl  # named sets, as slime
 """
 from __future__ import annotations
 
@@ -47,31 +48,50 @@ def evaluate(engine, records: list, tokenizer, reward_fn, *, sampling, n_samples
     return report
 
 
-def load_eval_records(cfg, tokenizer) -> list:
-    """The evaluation prompts: --eval-prompt-data in file order, at most --eval-max-prompts (none without it)."""
+def load_eval_sets(cfg, tokenizer) -> dict[str, list]:
+    """The evaluation prompts of each --eval-prompt-data set ({name: records}; "" for one bare path), in file
+    order, at most --eval-max-prompts of each (none without the flag)."""
     from slime_sparse.data.prompt_dataset import PromptDataset
 
-    if not cfg.eval.eval_prompt_data:
-        return []
-    data = PromptDataset(dataclasses.replace(cfg.data, prompt_data=cfg.eval.eval_prompt_data, shuffle=False), tokenizer)
-    records = [data[i] for i in range(len(data))]
-    return records[: cfg.eval.eval_max_prompts] if cfg.eval.eval_max_prompts else records
+    sets = {}
+    for name, path in cfg.eval.datasets:
+        data = PromptDataset(dataclasses.replace(cfg.data, prompt_data=path, shuffle=False), tokenizer)
+        records = [data[i] for i in range(len(data))]
+        sets[name] = records[: cfg.eval.eval_max_prompts] if cfg.eval.eval_max_prompts else records
+    return sets
 
 
 def eval_sampling(cfg):
-    return dataclasses.replace(cfg.sampling, temperature=cfg.eval.eval_temperature)
+    """The rollout's sampling with slime's --eval-* overrides (temperature, top-p / top-k, response budget)."""
+    ev, sampling = cfg.eval, cfg.sampling
+    return dataclasses.replace(
+        sampling, temperature=ev.eval_temperature,
+        top_p=sampling.top_p if ev.eval_top_p is None else ev.eval_top_p,
+        top_k=sampling.top_k if ev.eval_top_k is None else ev.eval_top_k,
+        max_new_tokens=sampling.max_new_tokens if ev.eval_max_response_len is None else ev.eval_max_response_len,
+    )
+
+
+def eval_key(mode: str, name: str) -> str:
+    """Where the evaluation of set `name` under `mode` is reported: "dense", or "dense/<name>" for a named set
+    (metrics "eval_<key>/<metric>")."""
+    return f"{mode}/{name}" if name else mode
 
 
 def evaluate_modes(cfg, components, *, step: int, logger=None) -> dict[str, dict]:
-    """Evaluate the current weights under dense inference and, when compression is on, under it too."""
+    """Evaluate the current weights on every evaluation set under dense inference and, when compression is on,
+    under it too; returns {eval_key(mode, name): report}."""
     modes = ["dense", "sparse"] if cfg.kv.enabled else ["dense"]
     out = {}
     for mode in modes:
         engine = components.eval_engine(mode)  # shares the rollout engine's (synced) weights
-        out[mode] = evaluate(engine, components.eval_records, components.tokenizer, components.reward_fn, sampling=eval_sampling(cfg),
-                             n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed + step)
-        if logger is not None:
-            logger.log(step, {f"eval_{mode}/{k}": v for k, v in out[mode].items()})
+        for name, records in components.eval_sets.items():
+            key = eval_key(mode, name)
+            out[key] = evaluate(engine, records, components.tokenizer, components.reward_fn,
+                                sampling=eval_sampling(cfg), n_samples=cfg.eval.n_samples_per_eval_prompt,
+                                seed=cfg.train.seed + step)
+            if logger is not None:
+                logger.log(step, {f"eval_{key}/{k}": v for k, v in out[key].items()})
     return out
 
 
@@ -83,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--output", default="eval_report.json")
     known, rest = pre.parse_known_args(argv)
-    # evaluation reads the same flags as training; either data flag names the evaluation set
+    # evaluation reads the same flags as training; either data flag names the evaluation set(s)
     if "--prompt-data" not in rest and "--eval-prompt-data" in rest:
-        rest += ["--prompt-data", rest[rest.index("--eval-prompt-data") + 1]]
+        rest += ["--prompt-data", _flag_arguments(rest, "--eval-prompt-data")[-1]]  # a path (the last of a pair)
     elif "--eval-prompt-data" not in rest and "--prompt-data" in rest:
         rest += ["--eval-prompt-data", rest[rest.index("--prompt-data") + 1]]
     try:
@@ -94,19 +114,29 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
-    records = load_eval_records(cfg, tokenizer)
     reward_fn = get_reward_fn(cfg.reward)
     engine = build_engine(EngineSpec.from_run(cfg))
-    report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
-                      n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
-    report.update({"model": cfg.train.hf_checkpoint, "data": cfg.eval.eval_prompt_data, "kv": dataclasses.asdict(cfg.kv)})
+    reports = {}
+    for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
+        report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
+                          n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
+        reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path, "kv": dataclasses.asdict(cfg.kv)}
+    # one bare path: the report itself, as before; named sets: {name: report}
+    out = reports[""] if list(reports) == [""] else reports
     with open(known.output, "w", encoding="utf-8") as fh:
-        json.dump(report, fh, indent=2)
-    print(json.dumps({k: v for k, v in report.items() if k != "kv"}, indent=2))
+        json.dump(out, fh, indent=2)
+    print(json.dumps({name: {k: v for k, v in r.items() if k != "kv"} for name, r in reports.items()}, indent=2))
     close = getattr(reward_fn, "close", None)
     if callable(close):
         close()
     return 0
+
+
+def _flag_arguments(argv: list[str], flag: str) -> list[str]:
+    """The arguments that follow `flag` in `argv` (up to the next flag)."""
+    start = argv.index(flag) + 1
+    end = next((i for i in range(start, len(argv)) if argv[i].startswith("--")), len(argv))
+    return argv[start:end]
 
 
 if __name__ == "__main__":

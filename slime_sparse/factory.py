@@ -15,6 +15,7 @@ import torch
 
 from slime_sparse.algo import LossConfig
 from slime_sparse.backends.megatron.config import MegatronConfig
+from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.config import RunConfig, TrainConfig
 from slime_sparse.kv import KVCompressConfig
@@ -62,7 +63,14 @@ class LearnerSpec:
     def optim(self) -> OptimConfig:
         train = self.train
         return OptimConfig(lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-                           warmup_iters=train.lr_warmup_iters, clip_grad=train.clip_grad)
+                           warmup_iters=train.lr_warmup_iters, clip_grad=train.clip_grad,
+                           decay_style=train.lr_decay_style, min_lr=train.min_lr, decay_iters=train.lr_decay_iters)
+
+    @property
+    def batching(self) -> MicroBatching:
+        train = self.train
+        return MicroBatching(max_tokens=train.max_tokens_per_gpu if train.dynamic_batching else None,
+                             micro_batch_size=train.micro_batch_size or 1)
 
 
 def build_learner(spec: LearnerSpec):
@@ -73,14 +81,14 @@ def build_learner(spec: LearnerSpec):
 
         return build_megatron_learner(
             train.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=train.seed,
-            max_tokens=train.max_tokens_per_gpu, temperature=spec.temperature,
+            batching=spec.batching, temperature=spec.temperature,
             params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
         )
     from slime_sparse.backends.embedded.learner import EmbeddedLearner
 
     model = load_model(train.hf_checkpoint, device=resolve_device(train.device), bf16=train.bf16)
-    return EmbeddedLearner(model, spec.loss, **dataclasses.asdict(spec.optim), max_tokens=train.max_tokens_per_gpu,
-                           temperature=spec.temperature, need_ref=spec.loss.use_kl_loss)
+    return EmbeddedLearner(model, spec.loss, optim=spec.optim, batching=spec.batching, temperature=spec.temperature,
+                           need_ref=spec.loss.use_kl_loss)
 
 
 @dataclass(frozen=True)

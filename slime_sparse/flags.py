@@ -2,7 +2,11 @@
 has one (`--rollout-batch-size`, `--n-samples-per-prompt`, ...).
 
 The parser (slime_sparse.config) is built from these names, and section validators name the offending flag with
-`flag_for`, so an error always shows the flag a user types. No imports: any section's module may use it.
+`flag_for`, so an error always shows the flag a user types. No project imports: any section's module may use it.
+
+Two conventions from slime: a bool field whose flag starts with `--disable-` is a switch that turns it off
+(slime's `action="store_false"`); and `SPELLINGS` lists slime flags that have no field of their own but set
+fields of ours (`--use-tis` sets the correction knobs), so both spellings give the same config.
 """
 from __future__ import annotations
 
@@ -39,12 +43,42 @@ FLAG_ALIASES: dict[str, str] = {
     "data.shuffle": "--rollout-shuffle",
     "data.seed": "--rollout-seed",
     "data.num_epochs": "--num-epoch",
+    "rollout.grpo_std_normalization": "--disable-grpo-std-normalization",
     "reward.timeout_s": "--rm-timeout",
     "reward.num_workers": "--rm-num-workers",
     "log.progress": "--progress-bar",
     "cluster.ray_timeout_s": "--ray-timeout",
-    "megatron.load": "--megatron-load",  # Megatron-LM's --load; ours is the resume directory (--save)
+    "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)
     "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
+}
+
+DISABLE_PREFIX = "--disable-"  # a bool field with such a flag: the flag turns it off (slime's store_false)
+
+# The argument of a spelling, where `sets` uses it.
+ARG = "<argument>"
+# slime flags without a field of their own: flag -> {"sets": {"section.field": value or ARG}, "type": the
+# argument's type (absent: a switch), "needs": a spelling without which this one has no effect (then refused),
+# "help"}. Applied in this order (a later one overrides an earlier one's value of the same field); a field
+# also set by its own flag to another value is refused.
+SPELLINGS: dict[str, dict] = {
+    "--use-tis": {
+        # slime's vanilla TIS: w = clamp(pi_old / pi_rollout, --tis-clip-low, --tis-clip), --tis-clip 2.0 by default
+        "sets": {"correction.is_weight": True, "correction.is_upper": 2.0},
+        "help": "slime's truncated importance sampling: the same as --correction-is-weight --correction-is-upper 2.0",
+    },
+    "--tis-clip": {
+        "type": float, "sets": {"correction.is_upper": ARG}, "needs": "--use-tis",
+        "help": "upper clip of the TIS weight (slime's default 2.0): the same as --correction-is-upper",
+    },
+    "--tis-clip-low": {
+        "type": float, "sets": {"correction.is_lower": ARG}, "needs": "--use-tis",
+        "help": "lower clip of the TIS weight (slime's default 0): the same as --correction-is-lower",
+    },
+    "--calculate-per-token-loss": {
+        "sets": {"loss.loss_agg_mode": "token-mean"},
+        "help": "slime's per-token loss (every token of the global batch weighs the same): the same as "
+                "--loss-agg-mode token-mean",
+    },
 }
 
 

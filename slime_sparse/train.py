@@ -50,7 +50,7 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     t1 = time.perf_counter()
     prepared = prepare_rollout(
         samples, components.learner, cfg.correction,
-        normalize_std=cfg.rollout.advantage_estimator == "grpo", need_ref=cfg.loss.use_kl_loss,
+        normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.use_kl_loss,
     )
     t_recompute = time.perf_counter() - t1
     metrics.update(prepared.metrics)
@@ -91,7 +91,7 @@ def train(cfg: RunConfig) -> dict:
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"evals": {}}
     try:
-        if start == 0 and components.eval_records:
+        if start == 0 and components.eval_sets:
             summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=metrics_log)
         progress = components.progress(range(start, cfg.train.num_rollout), desc="rollouts", initial=start)
         for rollout_id in progress:
@@ -104,7 +104,7 @@ def train(cfg: RunConfig) -> dict:
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                                  rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}")
-            if components.eval_records and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
+            if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
                 summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
             if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
                 components.save_checkpoint(save_dir, step)

@@ -8,7 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.algo import LossConfig
 from slime_sparse.backends.base import TrainBatch
+from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
+from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.backends.logprobs import response_logprobs
 
 
@@ -53,8 +55,8 @@ def test_response_logprobs_match_unpadded_forward():
 
 
 def learner(model, max_tokens, **kw):
-    return EmbeddedLearner(model, LossConfig(loss_agg_mode=kw.pop("mode", "token-mean")), lr=1e-2,
-                           max_tokens=max_tokens, clip_grad=0.0, **kw)
+    return EmbeddedLearner(model, LossConfig(loss_agg_mode=kw.pop("mode", "token-mean")),
+                           optim=OptimConfig(lr=1e-2, clip_grad=0.0), batching=MicroBatching(max_tokens), **kw)
 
 
 def grads_after_step(lrn: EmbeddedLearner, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -103,7 +105,7 @@ def test_shards_with_global_normalisers_sum_to_full_batch():
 
 def test_repeated_updates_lower_the_loss_on_a_fixed_batch():
     model = tiny_model()
-    lrn = EmbeddedLearner(model, LossConfig(), lr=3e-3, max_tokens=10_000)
+    lrn = EmbeddedLearner(model, LossConfig(), optim=OptimConfig(lr=3e-3), batching=MicroBatching(10_000))
     batch = make_batch(8)
     batch.old_logprobs = lrn.compute_logprobs(batch.tokens, batch.response_lens)
     losses = [lrn.train_step(batch)["train/loss"] for _ in range(8)]
@@ -111,7 +113,8 @@ def test_repeated_updates_lower_the_loss_on_a_fixed_batch():
 
 
 def test_reference_model_is_frozen_copy():
-    lrn = EmbeddedLearner(tiny_model(), LossConfig(use_kl_loss=True, kl_loss_coef=0.1), lr=1e-2, need_ref=True)
+    lrn = EmbeddedLearner(tiny_model(), LossConfig(use_kl_loss=True, kl_loss_coef=0.1), optim=OptimConfig(lr=1e-2),
+                          need_ref=True)
     batch = make_batch()
     before = lrn.compute_logprobs(batch.tokens, batch.response_lens, ref=True)
     batch.old_logprobs = lrn.compute_logprobs(batch.tokens, batch.response_lens)
@@ -139,7 +142,7 @@ def test_weight_decay_follows_megatrons_rule():
     weights (1-D) stay, as Megatron's optimizer does it (so --weight-decay means one thing on every backend)."""
     model = tiny_model()
     lr, wd = 0.1, 0.5
-    lrn = EmbeddedLearner(model, LossConfig(), lr=lr, weight_decay=wd)
+    lrn = EmbeddedLearner(model, LossConfig(), optim=OptimConfig(lr=lr, weight_decay=wd))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

@@ -22,6 +22,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from slime_sparse.algo import LossConfig  # noqa: E402
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
+from slime_sparse.backends.batching import MicroBatching  # noqa: E402
+from slime_sparse.backends.optimizer import OptimConfig  # noqa: E402
 from slime_sparse.backends.embedded.learner import EmbeddedLearner  # noqa: E402
 from slime_sparse.backends.megatron.parallel import spawn  # noqa: E402
 from slime_sparse.config import RunConfig, TrainConfig  # noqa: E402
@@ -59,7 +61,7 @@ LAYOUT_PARAMS = [pytest.param("pp2", marks=pytest.mark.slow), "tp2"]
 
 def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, ckpt_dir: str, tp: int, pp: int) -> dict:
     from slime_sparse.backends.megatron.hf_io import export_hf_weights
-    from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner, OptimConfig
+    from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner
     from slime_sparse.backends.megatron.optimizer import clip_grad_norm_tp
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
@@ -70,7 +72,8 @@ def _learner_worker(rank: int, world_size: int, hf_dir: str, batch: TrainBatch, 
 
     def build():
         return MegatronLearner(read_hf_config(hf_dir), LOSS, hf_dir=hf_dir, megatron=layout,
-                               optim=OptimConfig(**OPTIM), max_tokens=MAX_TOKENS, temperature=TEMPERATURE, need_ref=True)
+                               optim=OptimConfig(**OPTIM), batching=MicroBatching(MAX_TOKENS), temperature=TEMPERATURE,
+                               need_ref=True)
 
     learner = build()
     out = {
@@ -125,7 +128,8 @@ def setup(request, tmp_path_factory):
                 p.normal_(0.0, 0.3)
     hf_dir = str(root / "hf")
     model.save_pretrained(hf_dir)
-    embedded = EmbeddedLearner(model, LOSS, max_tokens=MAX_TOKENS, temperature=TEMPERATURE, need_ref=True, **OPTIM)
+    embedded = EmbeddedLearner(model, LOSS, optim=OptimConfig(**OPTIM), batching=MicroBatching(MAX_TOKENS),
+                               temperature=TEMPERATURE, need_ref=True)
     logp_now = embedded.compute_logprobs(TOKENS, RESPONSE_LENS)
     batch = make_batch(logp_now)
     reference = {"logp": logp_now, "ref_logp": embedded.compute_logprobs(batch.tokens, batch.response_lens, ref=True)}

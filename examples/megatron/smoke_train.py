@@ -36,6 +36,7 @@ def make_tiny_qwen2(path: str, *, hidden: int, layers: int, vocab: int) -> None:
 def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace, tp: int, pp: int) -> None:
     from slime_sparse.algo import LossConfig
     from slime_sparse.backends.base import TrainBatch
+    from slime_sparse.backends.batching import MicroBatching
     from slime_sparse.backends.megatron import MegatronConfig, MegatronLearner, OptimConfig
     from slime_sparse.backends.megatron.model_config import read_hf_config
     from slime_sparse.backends.megatron.parallel import ParallelConfig, init_parallel
@@ -46,7 +47,7 @@ def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace, tp
     loss_cfg = LossConfig(eps_clip=0.2, use_kl_loss=True, kl_loss_coef=1e-4, kl_loss_type="k3")
     learner = MegatronLearner(
         hf_config, loss_cfg, hf_dir=hf_dir, megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
-        optim=OptimConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98)), max_tokens=args.max_tokens,
+        optim=OptimConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98)), batching=MicroBatching(args.max_tokens),
         temperature=1.0, need_ref=True, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
     )
     g = torch.Generator().manual_seed(args.seed)  # same data on every rank (one data-parallel group)

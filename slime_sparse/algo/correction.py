@@ -61,6 +61,7 @@ class CorrectionConfig:
 
     is_weight: multiply each token's policy-gradient term by its (clamped, optionally truncated) xi.
     is_upper: truncate the weight at this value (TIS); None = no truncation. Needs is_weight.
+    is_lower: raise weights below this value to it (slime's --tis-clip-low); 0 = no lower clip. Needs is_weight.
     token_mask_low / token_mask_high: reject tokens whose xi lies below / above (either may be None).
     seq_veto: reject a whole sequence if any of its tokens has xi < seq_veto (tested on the raw,
         unclamped log ratio); None = no veto.
@@ -74,6 +75,7 @@ class CorrectionConfig:
 
     is_weight: bool = False
     is_upper: float | None = None
+    is_lower: float = 0.0
     token_mask_low: float | None = None
     token_mask_high: float | None = None
     seq_veto: float | None = None
@@ -134,6 +136,10 @@ class CorrectionConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 bad(name, value, "must be a finite number > 0 (or unset)")
+        if not (math.isfinite(self.is_lower) and self.is_lower >= 0):
+            bad("is_lower", self.is_lower, "must be a finite number >= 0 (0: no lower clip)")
+        if self.is_upper is not None and self.is_lower >= self.is_upper:
+            bad("is_lower", self.is_lower, f"must be < --correction-is-upper={self.is_upper!r}")
         if self.token_mask_low is not None and not (math.isfinite(self.token_mask_low) and self.token_mask_low >= 0):
             bad("token_mask_low", self.token_mask_low, "must be a finite number >= 0 (or unset)")
         if (
@@ -146,6 +152,8 @@ class CorrectionConfig:
             bad("log_ratio_clamp", self.log_ratio_clamp, "must be a finite number > 0")
         if self.is_upper is not None and not self.is_weight:
             bad("is_upper", self.is_upper, "truncation needs --correction-is-weight")
+        if self.is_lower and not self.is_weight:
+            bad("is_lower", self.is_lower, "clipping needs --correction-is-weight")
         if self.batch_normalize and not self.is_weight:
             bad("batch_normalize", self.batch_normalize, "weight normalisation needs --correction-is-weight")
 
@@ -192,7 +200,7 @@ def sparsity_correction(
         seqs: sequences with >= 1 original mask token; seq_reject_rate: fraction of those without a
         kept token; token_reject_rate: 1 - kept tokens / original tokens; veto_seqs: sequences
         vetoed (finite ones); veto_token_frac: tokens with xi < seq_veto; nonfinite_seqs;
-        xi_mean / xi_min / xi_max: of the clamped ratio; truncate_frac: xi > is_upper;
+        xi_mean / xi_min / xi_max: of the clamped ratio; truncate_frac: xi > is_upper; clip_low_frac: xi < is_lower;
         mask_low_frac / mask_high_frac: xi below / above the token-mask bounds; batch_norm_factor:
         the mean the weights were divided by (1.0 when not applied); weight_mean: mean final weight
         over kept tokens.
@@ -213,7 +221,7 @@ def sparsity_correction(
 
     zero = torch.zeros((), dtype=dtype, device=old.device)
     if cfg.is_weight:
-        weights = xi.clamp(max=cfg.is_upper) if cfg.is_upper is not None else xi
+        weights = xi.clamp(min=cfg.is_lower, max=cfg.is_upper)  # clamp(min=0, max=None) leaves xi as it is
     else:
         weights = torch.ones_like(xi)
     weights = torch.where(valid, weights, zero)
@@ -280,6 +288,7 @@ def _correction_metrics(
     xi_min = torch.where(valid, xi, torch.full_like(xi, torch.inf)).min() if xi.numel() else one
     xi_max = torch.where(valid, xi, torch.full_like(xi, -torch.inf)).max() if xi.numel() else one
     truncated = valid & (xi > cfg.is_upper) if (cfg.is_weight and cfg.is_upper is not None) else torch.zeros_like(valid)
+    raised = valid & (xi < cfg.is_lower) if cfg.is_weight else torch.zeros_like(valid)
 
     values = {
         "correction/seqs": n_seqs,
@@ -293,6 +302,7 @@ def _correction_metrics(
         "correction/xi_min": torch.where(any_valid, xi_min, one),
         "correction/xi_max": torch.where(any_valid, xi_max, one),
         "correction/truncate_frac": frac(truncated.sum(), n_valid),
+        "correction/clip_low_frac": frac(raised.sum(), n_valid),
         "correction/mask_low_frac": frac(low_hit.sum(), n_valid),
         "correction/mask_high_frac": frac(high_hit.sum(), n_valid),
         "correction/batch_norm_factor": norm_factor,

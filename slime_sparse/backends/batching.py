@@ -5,6 +5,29 @@ Pure functions over lengths, shared by every learner backend.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How a learner splits a step's samples into micro-batches (for training and for the dense log-prob
+    recompute), slime's two modes: dynamic (`--use-dynamic-batch-size`), greedy packs of at most `max_tokens`
+    padded tokens (`--max-tokens-per-gpu`); fixed, `micro_batch_size` samples each (`--micro-batch-size`).
+    Gradients are the same either way (the loss is normalised by the step's global counts)."""
+
+    max_tokens: int | None = 16384  # None: fixed micro-batches
+    micro_batch_size: int = 1
+
+    def __post_init__(self) -> None:
+        if (self.max_tokens is not None and self.max_tokens <= 0) or self.micro_batch_size <= 0:
+            raise ValueError(f"micro-batch sizes must be > 0, got {self}")
+
+    def split(self, lengths: list[int]) -> list[list[int]]:
+        """Indices of each micro-batch, in input order."""
+        if self.max_tokens is not None:
+            return pack_by_tokens(lengths, self.max_tokens)
+        size = self.micro_batch_size
+        return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
 
 
 def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:

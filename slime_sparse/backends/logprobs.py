@@ -6,7 +6,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from slime_sparse.backends.batching import pack_by_tokens
+from slime_sparse.backends.batching import MicroBatching
 
 
 def pad_right(rows: list[list[int]] | list[torch.Tensor], pad: float | int = 0, dtype=None, device=None) -> torch.Tensor:
@@ -66,18 +66,18 @@ def recompute_logprobs(
     model: torch.nn.Module | None,
     tokens: list[list[int]],
     response_lens: list[int],
-    max_tokens: int,
+    batching: MicroBatching,
     forward: Callable[[torch.nn.Module, list[list[int]], list[int]], torch.Tensor],
 ) -> list[torch.Tensor]:
-    """Dense pi_old / pi_ref recompute of the embedded learner: micro-batches of at most `max_tokens`
-    (padded) tokens through `forward(model, tokens, response_lens) -> [B, R]`, one CPU fp32 row each.
-    (The Megatron learner packs micro-batches the same way but runs them through Megatron's schedule.)"""
+    """Dense pi_old / pi_ref recompute of the embedded learner: the micro-batches of `batching` through
+    `forward(model, tokens, response_lens) -> [B, R]`, one CPU fp32 row each.
+    (The Megatron learner splits micro-batches the same way but runs them through Megatron's schedule.)"""
     if model is None:
         raise ValueError("reference log-probs requested but the learner was built without a reference model")
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
-    for idx in pack_by_tokens([len(t) for t in tokens], max_tokens):
+    for idx in batching.split([len(t) for t in tokens]):
         logp = forward(model, [tokens[i] for i in idx], [response_lens[i] for i in idx])
         for row, i in enumerate(idx):
             out[i] = logp[row, : response_lens[i]].float().cpu()

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from slime_sparse.algo import LossConfig
 from slime_sparse.backends.base import TrainBatch, microbatch_loss
 from slime_sparse.backends.metrics import step_metrics
-from slime_sparse.backends.batching import pack_by_tokens
+from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
-from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_scale
-from slime_sparse.utils.checkpoint import load_training_state, save_training_state
+from slime_sparse.backends.optimizer import OptimConfig, adamw, check_resumed_schedule, hf_lr_scheduler
+from slime_sparse.utils.checkpoint import load_training_state, read_trainer_state, save_training_state
 
 
 class EmbeddedLearner:
@@ -26,26 +26,21 @@ class EmbeddedLearner:
         model: torch.nn.Module,
         loss_cfg: LossConfig,
         *,
-        lr: float,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        warmup_iters: int = 0,
-        clip_grad: float = 1.0,
-        max_tokens: int = 16384,
+        optim: OptimConfig,
+        batching: MicroBatching = MicroBatching(),
         temperature: float = 1.0,
         need_ref: bool = False,
     ):
         self.model = model
         self.loss_cfg = loss_cfg
-        self.clip_grad = clip_grad
-        self.max_tokens = max_tokens
+        self.optim = optim
+        self.batching = batching
         self.temperature = temperature
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
-        optim = OptimConfig(lr=lr, weight_decay=weight_decay, betas=betas, warmup_iters=warmup_iters, clip_grad=clip_grad)
-        self.optimizer = adamw(model.named_parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: lr_scale(step, optim))
+        self.optimizer = adamw(model.named_parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+        self.scheduler = hf_lr_scheduler(self.optimizer, optim)  # sets the lr of step 0
         self.step = 0
 
     @property
@@ -56,7 +51,7 @@ class EmbeddedLearner:
     @torch.no_grad()
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
         model = self.ref_model if ref else self.model
-        return recompute_logprobs(model, tokens, response_lens, self.max_tokens,
+        return recompute_logprobs(model, tokens, response_lens, self.batching,
                                   lambda m, t, r: response_logprobs(m, t, r, temperature=self.temperature)[0])
 
     # ---- update ----------------------------------------------------------------------------
@@ -66,7 +61,8 @@ class EmbeddedLearner:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         reported: list[dict] = []
-        for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens):
+        lr = self.scheduler.get_last_lr()[0]  # this step's
+        for idx in self.batching.split([len(t) for t in batch.tokens]):
             mb = batch.select(idx)
             logp, entropy = response_logprobs(self.model, mb.tokens, mb.response_lens, temperature=self.temperature,
                                               with_entropy=self.loss_cfg.entropy_coef != 0)
@@ -75,12 +71,12 @@ class EmbeddedLearner:
             reported.append({**metrics, "train/loss": loss.item()})
         if dist.is_available() and dist.is_initialized():
             self._all_reduce_grads()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad if self.clip_grad > 0 else float("inf"))
+        clip = self.optim.clip_grad if self.optim.clip_grad > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
-        return {**step_metrics(reported), "train/grad_norm": float(grad_norm),
-                "train/lr": self.scheduler.get_last_lr()[0]}
+        return {**step_metrics(reported), "train/grad_norm": float(grad_norm), "train/lr": lr}
 
     def _all_reduce_grads(self) -> None:
         # loss was normalised by global counts: summing shard gradients gives the global gradient
@@ -99,11 +95,14 @@ class EmbeddedLearner:
     def save_checkpoint(self, path: str, *, step: int, data_state: dict, extra: dict | None = None,
                         tokenizer=None, keep_last: int | None = None) -> str:
         """Atomic training checkpoint (HF weights + optimizer + scheduler + RNG + loop state) at `path`."""
+        extra = {**(extra or {}), "learner_step": self.step, "lr_schedule": self.optim.schedule}
         return save_training_state(path, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                                   step=step, data_state=data_state, extra={**(extra or {}), "learner_step": self.step},
-                                   tokenizer=tokenizer, keep_last=keep_last)
+                                   step=step, data_state=data_state, extra=extra, tokenizer=tokenizer,
+                                   keep_last=keep_last)
 
     def load_checkpoint(self, path: str) -> dict:
+        """Restore weights, optimizer, the lr scheduler's position, RNG; the schedule must be the checkpoint's."""
+        check_resumed_schedule(read_trainer_state(path)["extra"].get("lr_schedule"), self.optim)
         state = load_training_state(path, self.model, self.optimizer, self.scheduler)
         self.step = int(state["extra"]["learner_step"])
         return state

@@ -1,7 +1,7 @@
 """Checkpoints of the Megatron backend, two kinds.
 
 Megatron distributed checkpoints (megatron.core.dist_checkpointing) of the GPT model (`save_model` /
-`load_model`: the converters' format, and --megatron-load):
+`load_model`: the converters' format, and --ref-load):
     <dir>/            dist_checkpointing files (torch_dist format: resharding-capable, so a checkpoint
                       saved at TP=2 / PP=1 loads at TP=1 or PP=2)
     <dir>/slime_sparse_megatron.json   the HF config it came from, the ModelSpec and the saving layout

@@ -5,10 +5,14 @@ Importable without megatron-core (the run config holds this section whichever le
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slime_sparse.flags import flag_for
 from slime_sparse.utils.checkpoint import MODEL_DIR, STATE_FILE
+
+
+# the file every Megatron-LM (and slime) checkpoint directory holds
+MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 
 
 @dataclass(frozen=True)
@@ -19,7 +23,9 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False
     use_te: bool | None = None  # None: Transformer Engine spec iff TE imports on a GPU
-    load: str = ""  # Megatron checkpoint (a converter's output) to start from, else the HF checkpoint
+    load: str = field(default="", metadata={"help": (
+        "a Megatron checkpoint made by tools/convert_hf_to_megatron.py: the Megatron learner starts from it (and "
+        "keeps it as the KL reference) instead of --hf-checkpoint; slime's --ref-load, in our converter's layout")})
     vocab_divisible_by: int = 128
     recompute_activations: bool = False
     use_distributed_optimizer: bool = True  # GPU only
@@ -31,9 +37,14 @@ class MegatronConfig:
         load = flag_for("megatron", "load")
         if self.load and not os.path.isdir(self.load):
             raise ValueError(f"{load}={self.load!r} is not a directory")
+        if self.load and os.path.isfile(os.path.join(self.load, MEGATRON_LM_TRACKER)):
+            raise ValueError(
+                f"{load}={self.load!r} is a Megatron-LM checkpoint (slime's converter): give our converter's output "
+                f"(tools/convert_hf_to_megatron.py), or drop {load} to start from {flag_for('train', 'hf_checkpoint')}"
+            )
         if self.load and os.path.isfile(os.path.join(self.load, STATE_FILE)):
             raise ValueError(
                 f"{load}={self.load!r} is a training checkpoint, not a Megatron checkpoint: start from its "
                 f"weights with {flag_for('train', 'hf_checkpoint')} {os.path.join(self.load, MODEL_DIR)}, or resume "
-                f"its run with {flag_for('train', 'save')}"
+                f"its run with {flag_for('train', 'load')}"
             )

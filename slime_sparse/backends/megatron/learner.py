@@ -14,8 +14,8 @@ recomputed log-probs and the step's metrics to the other stages, so every rank r
 
 Around it, each in its own module: the optimizer step (optimizer.py: Megatron's distributed optimizer on GPU,
 gradients reduced and clipped by hand for a torch AdamW on CPU, chosen once), the learning rate of each step
-(`backends.optimizer.lr_at`, the embedded learner's schedule too), and training checkpoints in the layout of
-`slime_sparse.utils.checkpoint` (checkpoint.py).
+(Megatron's OptimizerParamScheduler, `backends.optimizer.megatron_lr_scheduler`: the embedded learner's schedule
+too, from transformers), and training checkpoints in the layout of `slime_sparse.utils.checkpoint` (checkpoint.py).
 """
 from __future__ import annotations
 
@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 from slime_sparse.algo import LossConfig
 from slime_sparse.backends.base import TrainBatch, microbatch_loss
-from slime_sparse.backends.batching import pack_by_tokens
+from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.backends.metrics import step_metrics
-from slime_sparse.backends.optimizer import OptimConfig, lr_at
+from slime_sparse.backends.optimizer import OptimConfig, check_resumed_schedule, megatron_lr_scheduler
+from slime_sparse.utils.checkpoint import read_trainer_state
 
 from . import checkpoint as ckpt
 from .config import MegatronConfig
@@ -55,14 +56,14 @@ class MegatronLearner:
         hf_dir: str | None = None,
         megatron: MegatronConfig = MegatronConfig(),
         optim: OptimConfig = OptimConfig(),
-        max_tokens: int = 16384,
+        batching: MicroBatching = MicroBatching(),
         temperature: float = 1.0,
         need_ref: bool = False,
         params_dtype: torch.dtype = torch.float32,
     ):
         megatron.validate()
         if hf_dir is None and not megatron.load:
-            raise ValueError("the Megatron learner needs --hf-checkpoint or --megatron-load to get its initial weights")
+            raise ValueError("the Megatron learner needs --hf-checkpoint or --ref-load to get its initial weights")
         if temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {temperature}")
         self.hf_config = hf_config
@@ -70,7 +71,7 @@ class MegatronLearner:
         self.loss_cfg = loss_cfg
         self.megatron = megatron
         self.optim = optim
-        self.max_tokens = max_tokens
+        self.batching = batching
         self.temperature = temperature
         self.hf_dir = hf_dir
         self.params_dtype = params_dtype
@@ -85,6 +86,7 @@ class MegatronLearner:
         # the optimizer regime of this process (Megatron's on GPU, torch AdamW on CPU), chosen once
         self.optimizer = build_optimizer(optim, megatron, tied_embeddings=self.spec.tie_word_embeddings)
         self.model = self.optimizer.wrap(self.model)  # GPU: inside Megatron's DistributedDataParallel
+        self.scheduler = megatron_lr_scheduler(self.optimizer.optimizer, optim)  # sets the lr of step 0
 
     # ---- model -------------------------------------------------------------------------------
     def _build_and_load(self, hf_dir: str | None) -> torch.nn.Module:
@@ -166,7 +168,7 @@ class MegatronLearner:
         if model is None:
             raise ValueError("reference log-probs requested but the learner was built without a reference model")
         check_rows(tokens, response_lens)
-        groups = pack_by_tokens([len(t) for t in tokens], self.max_tokens)
+        groups = self.batching.split([len(t) for t in tokens])
         out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
 
         def keep(index: int, logits: torch.Tensor, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -199,12 +201,12 @@ class MegatronLearner:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
         replica). Collective; every rank returns the same metrics."""
         num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
-        micro = [batch.select(idx) for idx in pack_by_tokens([len(t) for t in batch.tokens], self.max_tokens)]
+        micro = [batch.select(idx) for idx in self.batching.split([len(t) for t in batch.tokens])]
         if self.optimizer.reduces_in_schedule and not micro:
             raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
                              "data-parallel size (learner ranks / (--tensor-model-parallel-size x "
                              "--pipeline-model-parallel-size))")
-        lr = lr_at(self.step, self.optim)
+        lr = self.scheduler.get_lr(self.optimizer.optimizer.param_groups[0])  # this step's (the scheduler set it)
         self.model.train()
         self.optimizer.zero_grad()
         reported: list[dict] = []
@@ -217,7 +219,8 @@ class MegatronLearner:
 
         if micro:
             self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False)
-        grad_norm = self.optimizer.step(lr)
+        grad_norm = self.optimizer.step()
+        self.scheduler.step(1)
         self.step += 1
         return {**self._from_last_stage(step_metrics(reported)), "train/grad_norm": grad_norm, "train/lr": lr}
 
@@ -237,13 +240,20 @@ class MegatronLearner:
         return ckpt.save_training_checkpoint(
             path, model=self.module, spec=self.spec, optimizer=self.optimizer, hf_config=self.hf_config,
             side_files=self.hf_dir or os.path.join(self.megatron.load, ckpt.HF_EXTRA_DIR), tokenizer=tokenizer,
-            step=step, data_state=data_state, extra={**(extra or {}), "learner_step": self.step}, keep_last=keep_last)
+            step=step, data_state=data_state, keep_last=keep_last,
+            extra={**(extra or {}), "learner_step": self.step, "lr_schedule": self.optim.schedule,
+                   "lr_scheduler": self.scheduler.state_dict()})
 
     def load_checkpoint(self, path: str) -> dict:
-        """Collective: restore weights, optimizer, step and RNG written by `save_checkpoint`; returns
-        {"step", "data_state", "extra"}."""
+        """Collective: restore weights, optimizer, the lr scheduler's position, step and RNG written by
+        `save_checkpoint` (the schedule must be the checkpoint's); returns {"step", "data_state", "extra"}."""
+        check_resumed_schedule(read_trainer_state(path)["extra"].get("lr_schedule"), self.optim)
         state = ckpt.load_training_checkpoint(path, model=self.module, spec=self.spec, optimizer=self.optimizer)
         self.step = int(state["extra"]["learner_step"])
+        if "lr_scheduler" in state["extra"]:
+            self.scheduler.load_state_dict(state["extra"]["lr_scheduler"])
+        else:  # a checkpoint from before the scheduler was saved: its position is the step count
+            self.scheduler.step(self.step)
         return state
 
     def close(self) -> None:
@@ -280,7 +290,7 @@ def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> N
 
 
 def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: MegatronConfig, optim: OptimConfig, *,
-                           seed: int = 0, max_tokens: int = 16384, temperature: float = 1.0,
+                           seed: int = 0, batching: MicroBatching = MicroBatching(), temperature: float = 1.0,
                            params_dtype: torch.dtype = torch.float32) -> MegatronLearner:
     """The learner with its weights from `hf_dir` (else `megatron.load`), a frozen reference copy when the loss
     has a KL term, and Megatron's process groups, initialised here unless the caller (a launcher, Ray) did."""
@@ -289,7 +299,7 @@ def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: M
     owns_process_group = init_parallel(
         ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=seed)
     hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
-    learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, max_tokens=max_tokens,
+    learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, batching=batching,
                               temperature=temperature, need_ref=loss_cfg.use_kl_loss, params_dtype=params_dtype)
     learner.owns_process_group = owns_process_group
     return learner

@@ -7,8 +7,9 @@
   DP group (and the tied embedding over the first and last stages) by hand, clipped with a TP/PP-aware global norm
   (`clip_grad_norm_tp`), and a torch AdamW with Megatron's weight-decay rule steps the model.
 
-Both offer the same calls: `wrap(model)` once, then per step `zero_grad()`, `step(lr) -> grad norm`; `save` and
+Both offer the same calls: `wrap(model)` once, then per step `zero_grad()`, `step() -> grad norm`; `save` and
 `load` of their state into a training checkpoint's optimizer directory (collective on GPU, one file per rank on CPU).
+`optimizer` is the inner optimizer whose param groups Megatron's lr scheduler sets (the learner owns the scheduler).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from slime_sparse.backends.optimizer import OptimConfig, adamw, lr_at
+from slime_sparse.backends.optimizer import OptimConfig, adamw
 
 from .checkpoint import rank_file
 from .config import MegatronConfig
@@ -67,16 +68,14 @@ class TorchAdamW:
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         self.model = model
-        self.optimizer = adamw(model.named_parameters(), lr=lr_at(0, self.optim), betas=self.optim.betas,
+        self.optimizer = adamw(model.named_parameters(), lr=self.optim.lr, betas=self.optim.betas,
                                weight_decay=self.optim.weight_decay)
         return model
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
-    def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def step(self) -> float:
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:  # every rank joins every all-reduce, whatever its micro-batches touched
             if p.grad is None:
@@ -129,6 +128,7 @@ class MegatronDistributedOptimizer:
         opt_config = OptimizerConfig(
             optimizer="adam",
             lr=self.optim.lr,
+            min_lr=self.optim.min_lr,
             weight_decay=self.optim.weight_decay,
             adam_beta1=self.optim.betas[0],
             adam_beta2=self.optim.betas[1],
@@ -145,9 +145,7 @@ class MegatronDistributedOptimizer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
-    def step(self, lr: float) -> float:
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+    def step(self) -> float:
         # the schedule's finalize_model_grads already reduced the gradients (DP, tied embeddings)
         _, grad_norm, _ = self.optimizer.step()
         return float(grad_norm if grad_norm is not None else float("nan"))
