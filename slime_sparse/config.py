@@ -25,7 +25,8 @@ from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
 from slime_sparse.backends.megatron.config import MEGATRON_LM_TRACKER, MegatronConfig  # no megatron-core import
 from slime_sparse.data.prompt_dataset import DataConfig
-from slime_sparse.flags import ARG, DISABLE_PREFIX, NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, SPELLINGS, flag_for
+from slime_sparse.flags import (ARG, DISABLE_PREFIX, FIXED, NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, SPELLINGS,
+                                flag_for)
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.sampling import SamplingParams
@@ -43,8 +44,10 @@ DR_GRPO = "dr_grpo"
 class RolloutConfig:
     SECTION: ClassVar[str] = "rollout"
 
-    rollout_batch_size: int = 128  # prompts per rollout
-    n_samples_per_prompt: int = 8
+    rollout_batch_size: int = field(default=128, metadata={"help": (
+        "prompts per rollout (slime: required); 128 here, the paper's")})
+    n_samples_per_prompt: int = field(default=8, metadata={"help": (
+        "samples of each prompt, the GRPO group (slime's default 1); 8 here, the paper's")})
     engine: str = "embedded"
     max_batch_size: int = 64  # sequences decoded at once per engine
     advantage_estimator: str = field(default="grpo", metadata={"help": (
@@ -75,8 +78,11 @@ class TrainConfig:
 
     hf_checkpoint: str = ""  # local HF model directory (weights + tokenizer)
     train_backend: str = "embedded"
-    num_rollout: int = 100
-    global_batch_size: int = 256  # samples per optimizer step; rollout samples / this = steps per rollout
+    num_rollout: int = field(default=100, metadata={"help": (
+        "rollouts of the run (slime: computed from --num-epoch when unset); 100 here, the paper's")})
+    global_batch_size: int = field(default=256, metadata={"help": (
+        "samples per optimizer step; rollout samples / this = steps per rollout (slime: required); 256 here, the "
+        "paper's")})
     use_dynamic_batch_size: bool | None = field(default=None, metadata={"help": (
         "micro-batches packed up to --max-tokens-per-gpu (padded) tokens, as in slime; off: --micro-batch-size "
         "samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one sample per micro-batch; "
@@ -99,21 +105,29 @@ class TrainConfig:
         "--num-rollout x steps per rollout, as slime")})
     lr_warmup_iters: int = field(default=0, metadata={"help": (
         "optimizer steps of linear warm-up from 0 to --lr (Megatron's: the first step runs at lr 0)")})
-    weight_decay: float = 0.1
+    weight_decay: float = field(default=0.1, metadata={"help": (
+        "AdamW weight decay, not on biases and norms (Megatron's default 0.01); 0.1 here, the paper's and slime's "
+        "scripts'")})
     adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
+    adam_beta2: float = field(default=0.98, metadata={"help": (
+        "(Megatron's default 0.999); 0.98 here, the paper's and slime's scripts'")})
     clip_grad: float = 1.0
     bf16: bool = False
     device: str = "auto"  # auto | cpu | cuda
-    seed: int = 42
+    seed: int = field(default=42, metadata={"help": (
+        "seed of initialisation, sampling and data order (slime's default 1234); 42 here, the seed of the results "
+        "this repository reports")})
     load: str = field(default="", metadata={"help": (
         "resume from the newest checkpoint in this directory (or from this checkpoint directory itself), as "
         "slime's --load; a directory without a checkpoint starts a fresh run. Default: --save's directory, so a "
         "rerun command resumes (slime starts fresh without --load)")})
     save: str = ""  # checkpoint directory; default <run_dir>/checkpoints
-    save_interval: int = 0  # rollouts between checkpoints (0: only at the end)
+    save_interval: int = field(default=0, metadata={"help": (
+        "rollouts between checkpoints, 0: only at the end (slime: unset, no checkpoints); here every run can resume")})
     keep_last: int = 2
-    eval_interval: int = 0  # rollouts between evaluations (0: only before and after)
+    eval_interval: int = field(default=0, metadata={"help": (
+        "rollouts between evaluations, 0: only before and after training (slime: unset, no evaluation); with "
+        "--eval-prompt-data here a run is always evaluated at both ends")})
 
     def validate(self) -> None:
         _choice(self, "train_backend", TRAIN_BACKENDS)
@@ -266,8 +280,11 @@ class ClusterConfig:
     use_ray: bool = False
     ray_address: str = ""  # as ray.init(address=): "" finds a running cluster or starts one; "local"; "host:port"
     actor_num_nodes: int = 1
-    actor_num_gpus_per_node: int = 1  # data-parallel learner ranks per node
-    rollout_num_gpus: int = 1  # devices (bundles) for all rollout engines together
+    actor_num_gpus_per_node: int = field(default=1, metadata={"help": (
+        "data-parallel learner ranks per node (slime's default 8); 1 here, which fits any machine")})
+    rollout_num_gpus: int | None = field(default=None, metadata={"help": (
+        "devices (bundles) for all rollout engines together; unset: the learner's with --colocate (slime's rule), "
+        "else 1 (slime requires it then)")})
     rollout_num_gpus_per_engine: int = 1
     colocate: bool = False  # learner and engines share devices (engines release memory while the learner trains)
     ray_cpus_per_actor: float = 1.0  # CPUs in each bundle
@@ -281,15 +298,24 @@ class ClusterConfig:
         return self.actor_num_nodes * self.actor_num_gpus_per_node
 
     @property
+    def rollout_gpus(self) -> int:
+        """--rollout-num-gpus as resolved."""
+        if self.rollout_num_gpus is not None:
+            return self.rollout_num_gpus
+        return self.num_learner_ranks if self.colocate else 1
+
+    @property
     def num_engines(self) -> int:
-        return self.rollout_num_gpus // self.rollout_num_gpus_per_engine
+        return self.rollout_gpus // self.rollout_num_gpus_per_engine
 
     def validate(self) -> None:
-        _positive(self, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus",
-                  "rollout_num_gpus_per_engine", "update_weight_buffer_size")
-        if self.rollout_num_gpus % self.rollout_num_gpus_per_engine:
+        _positive(self, "actor_num_nodes", "actor_num_gpus_per_node", "rollout_num_gpus_per_engine",
+                  "update_weight_buffer_size")
+        if self.rollout_num_gpus is not None:
+            _positive(self, "rollout_num_gpus")
+        if self.rollout_gpus % self.rollout_num_gpus_per_engine:
             raise ValueError(
-                f"{_flag(self, 'rollout_num_gpus')}={self.rollout_num_gpus} must be a multiple of "
+                f"{_flag(self, 'rollout_num_gpus')}={self.rollout_gpus} must be a multiple of "
                 f"{_flag(self, 'rollout_num_gpus_per_engine')}={self.rollout_num_gpus_per_engine}"
             )
         _positive(self, "ray_cpus_per_actor", "ray_timeout_s")
@@ -370,6 +396,7 @@ if SECTIONS != tuple(SECTION_PREFIXES):
 SECTION_TYPES: dict[str, type] = {name: typing.get_type_hints(RunConfig)[name] for name in SECTIONS}
 # argparse destination prefix of slime's spellings (they are no field; `_spelled_values` turns them into fields)
 SPELLING_DEST = "spelling:"
+FIXED_DEST = "fixed:"  # and of slime's flags we take at one value (flags.FIXED; checked, then dropped)
 # files of a tokenizer saved by save_pretrained (one of them is enough for AutoTokenizer)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -472,6 +499,9 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(flag, dest=dest, metavar=spelling["type"].__name__.upper(), help=spelling["help"])
         else:
             parser.add_argument(flag, dest=dest, action="store_true", help=spelling["help"])
+    for flag, (tp, value, why) in FIXED.items():
+        parser.add_argument(flag, dest=FIXED_DEST + flag, metavar=tp.__name__.upper(),
+                            help=f"accepted as slime's {flag} {value} only: {why}")
     return parser
 
 
@@ -500,7 +530,9 @@ def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """{section: {field: typed value}} of the parsed flags (dest "section.field"), slime's spellings included."""
     out: dict[str, dict[str, Any]] = {}
     for dest, raw in args.items():
-        if dest.startswith(SPELLING_DEST):
+        if dest.startswith(FIXED_DEST):
+            _check_fixed(dest.removeprefix(FIXED_DEST), raw)
+        if dest.startswith((SPELLING_DEST, FIXED_DEST)):
             continue
         section, name = dest.split(".", 1)
         tp = _field_type(SECTION_TYPES[section], name)
@@ -508,6 +540,13 @@ def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     for (section, name), value in _spelled_values(args, out).items():
         out.setdefault(section, {})[name] = value
     return out
+
+
+def _check_fixed(flag: str, raw: str) -> None:
+    """A slime flag we take only at one value (flags.FIXED): that value, or a one-line refusal."""
+    tp, value, why = FIXED[flag]
+    if _parse_value(tp, raw, flag) != value:
+        raise ValueError(f"{flag}={raw} is not supported ({why}): only {value} is")
 
 
 def _spelled_values(args: Mapping[str, Any], own: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], Any]:

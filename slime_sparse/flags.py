@@ -6,7 +6,8 @@ The parser (slime_sparse.config) is built from these names, and section validato
 
 Two conventions from slime: a bool field whose flag starts with `--disable-` is a switch that turns it off
 (slime's `action="store_false"`); and `SPELLINGS` lists slime flags that have no field of their own but set
-fields of ours (`--use-tis` sets the correction knobs), so both spellings give the same config.
+fields of ours (`--use-tis` sets the correction knobs), so both spellings give the same config; `FIXED` lists
+slime flags we accept only at the one value that describes what we do (`--optimizer adam`).
 """
 from __future__ import annotations
 
@@ -79,6 +80,15 @@ SPELLINGS: dict[str, dict] = {
         "help": "slime's per-token loss (every token of the global batch weighs the same): the same as "
                 "--loss-agg-mode token-mean",
     },
+}
+
+# slime flags accepted only at the value that says what we always do: flag -> (type, value, why no other)
+FIXED: dict[str, tuple[type, object, str]] = {
+    "--optimizer": (str, "adam", "both learners step Adam with decoupled weight decay (Megatron's adam)"),
+    "--kl-coef": (float, 0.0, "a KL penalty in the reward is not implemented; use --use-kl-loss --kl-loss-coef"),
+    "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
+    "--expert-model-parallel-size": (int, 1, "the learners build dense models (no experts)"),
+    "--expert-tensor-parallel-size": (int, 1, "the learners build dense models (no experts)"),
 }
 
 

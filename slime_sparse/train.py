@@ -15,11 +15,11 @@ import time
 
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
-from slime_sparse.config import RunConfig, load_config, save_config
+from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.pipeline import assign_rewards, prepare_rollout, split_steps, to_samples
-from slime_sparse.utils.checkpoint import latest_checkpoint
-from slime_sparse.utils.logging import MetricsLogger
+from slime_sparse.utils.checkpoint import checkpoint_to_resume
+from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
 
 logger = logging.getLogger("slime_sparse.train")
@@ -34,6 +34,11 @@ def is_due(step: int, interval: int, last_step: int) -> bool:
     """The cadence of periodic actions (evaluation, checkpoints): after every `interval` rollouts (0: none in
     between) and after the last one."""
     return step == last_step or (interval > 0 and step % interval == 0)
+
+
+def wandb_settings(log: LogConfig) -> WandbSettings:
+    return WandbSettings(project=log.wandb_project, entity=log.wandb_team, group=log.wandb_group,
+                         name=log.wandb_run_name, mode=log.wandb_mode, host=log.wandb_host)
 
 
 def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict[str, float]:
@@ -82,12 +87,12 @@ def train(cfg: RunConfig) -> dict:
     save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
 
     start = 0
-    resume_from = latest_checkpoint(save_dir)
+    resume_from = checkpoint_to_resume(cfg.train.load or save_dir)  # --load, else the run's own checkpoints
     if resume_from:
         start = components.load_checkpoint(resume_from)
         logger.info("resumed from %s at rollout %d", resume_from, start)
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
-                                use_wandb=cfg.log.use_wandb, wandb_project=cfg.log.wandb_project,
+                                wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"evals": {}}
     try:

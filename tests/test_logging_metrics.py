@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from slime_sparse.utils.logging import METRICS_FILE, MetricsLogger, Progress, progress_bar, read_metrics
+from slime_sparse.utils.logging import METRICS_FILE, MetricsLogger, Progress, WandbSettings, progress_bar, read_metrics
 
 
 def strict_records(run_dir) -> list[dict]:
@@ -119,10 +119,10 @@ def test_wandb_is_optional_and_resumes_the_same_run(tmp_path, monkeypatch):
     fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
-    with MetricsLogger(str(tmp_path), use_tensorboard=False, use_wandb=True, wandb_project="proj") as log:
+    with MetricsLogger(str(tmp_path), use_tensorboard=False, wandb=WandbSettings(project="proj")) as log:
         log.log(1, {"a": 1.0, "b": float("nan")})
     fake.util.generate_id = lambda: "other"  # a resumed run must reuse the stored id
-    MetricsLogger(str(tmp_path), use_tensorboard=False, use_wandb=True, wandb_project="proj", start_step=2).close()
+    MetricsLogger(str(tmp_path), use_tensorboard=False, wandb=WandbSettings(project="proj"), start_step=2).close()
 
     inits = [c[1] for c in calls if c[0] == "init"]
     assert [(kw["id"], kw["project"], kw["resume"]) for kw in inits] == [("run123", "proj", "allow")] * 2
@@ -131,7 +131,7 @@ def test_wandb_is_optional_and_resumes_the_same_run(tmp_path, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(ImportError, match="wandb"):
-        MetricsLogger(str(tmp_path / "other"), use_tensorboard=False, use_wandb=True)
+        MetricsLogger(str(tmp_path / "other"), use_tensorboard=False, wandb=WandbSettings())
 
 
 # ----------------------------------------------------------------------------------------------- progress

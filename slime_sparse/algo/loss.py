@@ -13,7 +13,7 @@ leave the denominators too. Padded layout: every per-token tensor is [B, T] with
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,7 +48,9 @@ class LossConfig:
     loss_agg_mode: str = "seq-mean-token-mean"
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
+    kl_loss_type: str = field(default="low_var_kl", metadata={"help": (
+        "k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]). slime's default is k1; low_var_kl here: non-negative "
+        "and low-variance, the estimator GRPO uses and every slime GRPO script passes")})
     entropy_coef: float = 0.0
     norm_len: int | None = None
 

@@ -32,15 +32,24 @@ _STATE_VERSION = 1
 @dataclass(frozen=True)
 class DataConfig:
     prompt_data: str = ""  # --prompt-data: local .jsonl / .json / .parquet file (required to load data)
-    input_key: str = "prompt"  # --input-key: a string, or a list of {"role", "content"} messages
-    label_key: str | None = "label"  # --label-key: None when rows carry no label
+    input_key: str = field(default="prompt", metadata={"help": (
+        "the prompt column: a string, or a list of {role, content} messages (slime's default: input; prompt here, "
+        "the column of DAPO-Math-17k and of our tasks)")})
+    label_key: str | None = field(default="label", metadata={"help": (
+        "the label column, None when rows carry none (slime's default: none; label here, what slime's scripts pass)")})
     apply_chat_template: bool = False  # --apply-chat-template
     max_prompt_len: int | None = None  # --rollout-max-prompt-len: longer prompts are skipped and counted
-    shuffle: bool = True  # --rollout-shuffle
+    shuffle: bool = field(default=True, metadata={"help": (
+        "shuffle the prompts each epoch (--no-rollout-shuffle: file order). slime's default is off; on here, as every "
+        "slime GRPO script passes it: in file order the first rollouts see only what the file starts with")})
     seed: int = 42  # --rollout-seed: epoch e is shuffled with the RNG seeded by (seed, e)
     skip_bad_rows: bool = False  # skip (and count) malformed rows instead of raising
-    num_epochs: int = 1  # --num-epoch
-    metadata_key: str | None = None  # --metadata-key: a dict column passed through to the records
+    num_epochs: int = field(default=1, metadata={"help": (
+        "passes over --prompt-data the run may make; --num-rollout batches must fit in them (slime computes "
+        "--num-rollout from it when that is unset, and otherwise loops over the data)")})
+    metadata_key: str | None = field(default=None, metadata={"help": (
+        "a dict column passed through to the records; slime's default is metadata (read when present), none here: "
+        "a named column must be in every row")})
 
     def validate(self) -> None:
         """Raise ValueError naming the offending flag; also checks that the data file exists."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slime_sparse.reward.registry import Grader, get_registered_reward
 
@@ -61,7 +61,8 @@ class RewardConfig:
         grader hangs the caller), meant for debugging and for graders that are trivially fast.
     """
 
-    rm_type: str = "math"
+    rm_type: str = field(default="math", metadata={"help": (
+        "registered grader (slime: no default); math here: the paper's boxed math answers")})
     custom_rm_path: str | None = None
     timeout_s: float = 5.0
     num_workers: int = 2

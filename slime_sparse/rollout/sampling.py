@@ -8,7 +8,7 @@ recomputes pi_old with the same formula (dense context, same temperature), so th
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,7 +23,9 @@ class SamplingParams:
     temperature: float = 1.0  # --rollout-temperature; 0 = greedy
     top_p: float = 1.0  # --rollout-top-p; 1 = off
     top_k: int = -1  # --rollout-top-k; -1 (or 0) = off
-    max_new_tokens: int = 1024  # --rollout-max-response-len
+    max_new_tokens: int = field(default=1024, metadata={"help": (
+        "response budget in tokens (slime: none, the engine's context limit); 1024 here, as slime's Qwen2.5 "
+        "example: the embedded engine sizes its cache by it")})
     stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids; the model's EOS ids are added unless ignore_eos
     ignore_eos: bool = False  # --rollout-ignore-eos: do not stop at the model's EOS (explicit stop ids still stop)
 

@@ -179,6 +179,11 @@ def latest_checkpoint(save_dir: str) -> str | None:
     return checkpoints[-1][1] if checkpoints else None
 
 
+def checkpoint_to_resume(path: str) -> str | None:
+    """What `--load PATH` resumes: PATH when it is a complete checkpoint, else the latest one in it (None: none)."""
+    return path if _read_trainer_state(path) is not None else latest_checkpoint(path)
+
+
 def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
     """Delete all but the `keep_last` highest-step checkpoints (never the one `latest` names); returns them."""
     if not isinstance(keep_last, int) or keep_last < 1:

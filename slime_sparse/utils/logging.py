@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
 logger = logging.getLogger(__name__)
@@ -21,6 +22,18 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 WANDB_ID_FILE = "wandb_run_id"
 _RESERVED_KEYS = ("step", "time")
+
+
+@dataclass(frozen=True)
+class WandbSettings:
+    """Where a run goes on Weights & Biases (slime's --wandb-* flags; None: W&B's own default)."""
+
+    project: str | None = None
+    entity: str | None = None  # --wandb-team
+    group: str | None = None
+    name: str | None = None  # --wandb-run-name
+    mode: str | None = None  # online | offline (no network: the run stays in <run_dir>/wandb) | disabled
+    host: str | None = None  # server URL; the API key comes from W&B's own login / WANDB_API_KEY
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -51,19 +64,19 @@ class MetricsLogger:
     (start_step=0) thus starts an empty file. TensorBoard events from those steps are purged the same way.
     With a loop that logs step s and then checkpoints "after step s", resuming that checkpoint means
     start_step = s + 1.
-    W&B (use_wandb=True) is imported only then; its run id is kept in `run_dir/wandb_run_id` so a resumed
+    W&B (`wandb` settings given) is imported only then; its run id is kept in `run_dir/wandb_run_id` so a resumed
     run continues the same W&B run.
+    config: the run's configuration, given to W&B as the run config (`wandb.init(config=...)`) and written to
+    TensorBoard as text (tag "config", YAML).
     """
 
     def __init__(
         self,
         run_dir: str,
         use_tensorboard: bool = True,
-        use_wandb: bool = False,
-        wandb_project: str | None = None,
+        wandb: WandbSettings | None = None,
         *,
         start_step: int = 0,
-        wandb_run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
@@ -75,7 +88,10 @@ class MetricsLogger:
         self._last_step = _truncate_from(self.path, start_step)
         self._file = open(self.path, "a", encoding="utf-8")
         self._tb = _open_tensorboard(run_dir, start_step) if use_tensorboard else None
-        self._wandb = _open_wandb(run_dir, wandb_project, wandb_run_name, config) if use_wandb else None
+        if self._tb is not None and config:
+            self._tb.add_text("config", _config_text(config), global_step=start_step)
+            self._tb.flush()
+        self._wandb = _open_wandb(run_dir, wandb, config) if wandb is not None else None
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Append one record at `step` (not below the last logged step) and mirror it to TB / W&B."""
@@ -179,11 +195,27 @@ def _open_tensorboard(run_dir: str, start_step: int):
     return SummaryWriter(log_dir=os.path.join(run_dir, TENSORBOARD_DIR), purge_step=start_step or None)
 
 
-def _open_wandb(run_dir: str, project: str | None, name: str | None, config: Mapping[str, Any] | None):
+def _config_text(config: Mapping[str, Any]) -> str:
+    """The config as YAML in a Markdown code block (TensorBoard renders text as Markdown)."""
+    import yaml
+
+    return "```yaml\n" + yaml.safe_dump(_plain(config), sort_keys=False) + "```"
+
+
+def _plain(value: Any) -> Any:
+    """`value` with tuples as lists (YAML's and W&B's config types)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _open_wandb(run_dir: str, settings: WandbSettings, config: Mapping[str, Any] | None):
     try:
         import wandb
     except ImportError as err:
-        raise ImportError("use_wandb=True needs the `wandb` package: pip install 'slime_sparse[wandb]'") from err
+        raise ImportError("--use-wandb needs the `wandb` package: pip install 'slime_sparse[wandb]'") from err
     id_file = os.path.join(run_dir, WANDB_ID_FILE)
     if os.path.exists(id_file):
         with open(id_file, encoding="utf-8") as fh:
@@ -193,7 +225,9 @@ def _open_wandb(run_dir: str, project: str | None, name: str | None, config: Map
         with open(id_file, "w", encoding="utf-8") as fh:
             fh.write(run_id + "\n")
     return wandb.init(
-        project=project, name=name, id=run_id, resume="allow", dir=run_dir, config=dict(config) if config else None
+        project=settings.project, entity=settings.entity, group=settings.group, name=settings.name,
+        mode=settings.mode, id=run_id, resume="allow", dir=run_dir, config=_plain(config) if config else None,
+        settings=wandb.Settings(base_url=settings.host) if settings.host else None,
     )
 
 

@@ -28,7 +28,9 @@ class MegatronConfig:
         "keeps it as the KL reference) instead of --hf-checkpoint; slime's --ref-load, in our converter's layout")})
     vocab_divisible_by: int = 128
     recompute_activations: bool = False
-    use_distributed_optimizer: bool = True  # GPU only
+    use_distributed_optimizer: bool = field(default=True, metadata={"help": (
+        "GPU only: Megatron's distributed optimizer (Adam state sharded over data-parallel ranks, the same update). "
+        "Megatron's default is off; on here for the memory")})
 
     def validate(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vocab_divisible_by"):

@@ -8,7 +8,7 @@ The KV-compression settings come from the shared `--kv-*` flags (slime_sparse.kv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -24,8 +24,11 @@ class SGLangEngineConfig:
     router_port: int = 30100
     use_router: bool | None = None  # None = a router exactly when num_servers > 1
     gpu_ids: tuple[int, ...] | None = None  # None = 0 .. num_servers - 1
-    attention_backend: str = "fa3"
-    mem_fraction_static: float = 0.7
+    attention_backend: str = field(default="fa3", metadata={"help": (
+        "SGLang's attention backend (slime: SGLang's own choice); fa3 here, one of the four our KV eviction "
+        "supports (fa3, flashinfer, triton, torch_native)")})
+    mem_fraction_static: float = field(default=0.7, metadata={"help": (
+        "SGLang's static memory fraction (slime: SGLang's default); 0.7 here, as slime's scripts pass")})
     cuda_graph: bool = True  # decode CUDA graphs (prefill graphs are always off under compression)
     load_format: str = "auto"  # "dummy" = random weights (smoke tests)
     dtype: str = "auto"
