@@ -21,7 +21,8 @@ BASE = [
 ]
 
 EXTRAS = {
-    "test": ["pytest>=8.0", "pytest-timeout>=2.3"],
+    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch
+    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17"],
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
     # megatron-core 0.16.1 is the newest the registry serves (checked 2026-11); psutil for its checkpoint writer

@@ -282,3 +282,24 @@ def test_validation_names_the_flag(make, flag):
 def test_shape_mismatch_rejected():
     with pytest.raises(ValueError, match="shape"):
         sparsity_correction(torch.zeros(2, 3), torch.zeros(2, 4), torch.ones(2, 3), CorrectionConfig())
+
+
+def test_use_tis_is_slimes_vanilla_tis():
+    """`--use-tis --tis-clip C --tis-clip-low L` (is_weight, is_upper C, is_lower L) gives slime's vanilla_tis_function
+    weights, clamp(exp(logp_old - logp_rollout), min=L, max=C), with nothing rejected."""
+    g = torch.Generator().manual_seed(3)
+    old = -torch.rand(4, 9, generator=g) * 3
+    sparse = -torch.rand(4, 9, generator=g) * 3
+    mask = torch.ones(4, 9)
+    mask[1, 6:] = 0
+    cfg = CorrectionConfig(is_weight=True, is_upper=2.0, is_lower=0.5)
+    res = sparsity_correction(old, sparse, mask, cfg)
+    slime = torch.clamp(torch.exp(old - sparse), min=0.5, max=2.0)
+    torch.testing.assert_close(res.weights, slime * mask)
+    assert torch.equal(res.mask, mask)
+    ratio = torch.exp(old - sparse)[mask.bool()]
+    assert res.metrics["correction/clip_low_frac"] == pytest.approx(float((ratio < 0.5).float().mean()))
+    assert res.metrics["correction/truncate_frac"] == pytest.approx(float((ratio > 2.0).float().mean()))
+    assert 0 < res.metrics["correction/clip_low_frac"] < 1 and 0 < res.metrics["correction/truncate_frac"] < 1
+    with pytest.raises(ValueError, match="--correction-is-lower=0.5 is invalid: clipping needs --correction-is-weight"):
+        CorrectionConfig(is_lower=0.5).validate()

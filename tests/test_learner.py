@@ -55,8 +55,9 @@ def test_response_logprobs_match_unpadded_forward():
 
 
 def learner(model, max_tokens, **kw):
+    batching = max_tokens if isinstance(max_tokens, MicroBatching) else MicroBatching(max_tokens)
     return EmbeddedLearner(model, LossConfig(loss_agg_mode=kw.pop("mode", "token-mean")),
-                           optim=OptimConfig(lr=1e-2, clip_grad=0.0), batching=MicroBatching(max_tokens), **kw)
+                           optim=OptimConfig(lr=1e-2, clip_grad=0.0), batching=batching, **kw)
 
 
 def grads_after_step(lrn: EmbeddedLearner, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -70,8 +71,12 @@ def test_microbatching_does_not_change_the_gradient(mode):
     base = tiny_model()
     g_one = grads_after_step(learner(copy.deepcopy(base), 10_000, mode=mode), batch)
     g_many = grads_after_step(learner(copy.deepcopy(base), 12, mode=mode), batch)  # ~1-2 samples per micro-batch
+    # slime's fixed micro-batches (--micro-batch-size, no --use-dynamic-batch-size): one and four samples each
+    g_fixed_1 = grads_after_step(learner(copy.deepcopy(base), MicroBatching(None, 1), mode=mode), batch)
+    g_fixed_4 = grads_after_step(learner(copy.deepcopy(base), MicroBatching(None, 4), mode=mode), batch)
     for name in g_one:
-        torch.testing.assert_close(g_many[name], g_one[name], atol=1e-6, rtol=1e-5)
+        for g in (g_many, g_fixed_1, g_fixed_4):
+            torch.testing.assert_close(g[name], g_one[name], atol=1e-6, rtol=1e-5)
 
 
 def test_rejected_sequence_contributes_nothing():

@@ -115,17 +115,17 @@ def test_wandb_is_optional_and_resumes_the_same_run(tmp_path, monkeypatch):
             calls.append(("finish",))
 
     fake = types.ModuleType("wandb")
-    fake.util = types.SimpleNamespace(generate_id=lambda: "run123")
     fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
     monkeypatch.setitem(sys.modules, "wandb", fake)
 
     with MetricsLogger(str(tmp_path), use_tensorboard=False, wandb=WandbSettings(project="proj")) as log:
         log.log(1, {"a": 1.0, "b": float("nan")})
-    fake.util.generate_id = lambda: "other"  # a resumed run must reuse the stored id
+    run_id = (tmp_path / "wandb_run_id").read_text().strip()  # a resumed run must reuse the stored id
     MetricsLogger(str(tmp_path), use_tensorboard=False, wandb=WandbSettings(project="proj"), start_step=2).close()
 
     inits = [c[1] for c in calls if c[0] == "init"]
-    assert [(kw["id"], kw["project"], kw["resume"]) for kw in inits] == [("run123", "proj", "allow")] * 2
+    assert [(kw["id"], kw["project"], kw["resume"]) for kw in inits] == [(run_id, "proj", "allow")] * 2
+    assert len(run_id) == 8 and run_id.isalnum()
     assert ("log", {"a": 1.0}, 1) in calls  # non-finite values are not sent
     assert calls.count(("finish",)) == 2
 

@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -221,7 +222,7 @@ def _open_wandb(run_dir: str, settings: WandbSettings, config: Mapping[str, Any]
         with open(id_file, encoding="utf-8") as fh:
             run_id = fh.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:8]  # W&B ids are [a-z0-9]; wandb.util.generate_id is gone in wandb 0.31
         with open(id_file, "w", encoding="utf-8") as fh:
             fh.write(run_id + "\n")
     return wandb.init(
