@@ -506,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _metavar(tp: Any) -> str:
+    if typing.get_origin(tp) is tuple:  # several arguments: name one
+        return _metavar(typing.get_args(tp)[0])
     return getattr(tp, "__name__", str(tp)).upper().replace(" ", "")
 
 
