@@ -40,9 +40,14 @@ def stepped(scheduler, steps: int, read, advance) -> list[float]:
     return out
 
 
+def advance_hf(scheduler) -> None:
+    scheduler.optimizer.step()  # (no gradients: nothing moves) as a learner does, before its scheduler
+    scheduler.step()
+
+
 def hf_values(optim: OptimConfig) -> list[float]:
     return stepped(hf_lr_scheduler(one_param_optimizer(), optim), STEPS, lambda s: s.get_last_lr()[0],
-                   lambda s: s.step())
+                   advance_hf)
 
 
 def transformers_own(style: str, min_lr: float) -> list[float]:
@@ -51,7 +56,7 @@ def transformers_own(style: str, min_lr: float) -> list[float]:
                     "cosine": ("cosine_with_min_lr", {"min_lr": min_lr})}[style]
     scheduler = get_scheduler(name, one_param_optimizer(), num_warmup_steps=WARMUP, num_training_steps=DECAY,
                               scheduler_specific_kwargs=kwargs)
-    return stepped(scheduler, STEPS, lambda s: s.get_last_lr()[0], lambda s: s.step())
+    return stepped(scheduler, STEPS, lambda s: s.get_last_lr()[0], advance_hf)
 
 
 def megatron_as_slime_builds_it(style: str, min_lr: float, global_batch_size: int = 256) -> list[float]:

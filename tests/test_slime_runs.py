@@ -108,8 +108,14 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics(assets, tmp_path, mo
     run = tmp_path / "run"
     assert main(args(assets, run, 2, "--use-wandb", "--wandb-mode", "offline", "--wandb-project", "proj",
                      "--wandb-group", "grp", "--wandb-run-name", "name-1", "--use-tensorboard")) == 0
+    import wandb
+
+    wandb.teardown()  # W&B's service writes the run file on its own time; a process exit waits for it, so do we
     records = wandb_records(run)
-    (meta,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    kinds = [r.WhichOneof("record_type") for r in records]
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert len(runs) == 1, kinds
+    (meta,) = runs
     assert (meta.project, meta.run_group, meta.display_name) == ("proj", "grp", "name-1")
     config = {item.key: json.loads(item.value_json) for item in meta.config.update}
     for record in records:
