@@ -440,7 +440,7 @@ def build_section(section: str, values: Mapping[str, Any], source: str = "config
 
 def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
     """Turn command-line strings into a value of annotation `tp` (int, float, str, bool, Optional, tuple). A tuple
-    flag takes several arguments (slime's nargs="+"); numbers may also come comma-separated in one."""
+    flag takes several arguments (slime's nargs="+"), each of which may also be a comma-separated list."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -449,9 +449,9 @@ def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
         return _parse_value(args[0], raw, flag)
     if origin is tuple:
         (elem, *_rest) = typing.get_args(tp)
-        items = raw if isinstance(raw, list) else [raw]
-        if elem is not str:
-            items = [x for item in items for x in item.replace(",", " ").split()]
+        items = [x for item in (raw if isinstance(raw, list) else [raw]) for x in item.split(",") if x]
+        if elem is not str:  # numbers: "1 2" in one argument too
+            items = [x for item in items for x in item.split()]
         return tuple(_parse_value(elem, x, flag) for x in items)
     if tp is bool:
         if raw.lower() in ("1", "true", "yes", "on"):

@@ -332,6 +332,9 @@ def test_tuple_flags_take_several_arguments(base):
     """slime's nargs="+" flags: --rollout-stop-token-ids 1 2 (the comma form keeps working)."""
     assert parse(base, "--rollout-stop-token-ids", "7", "9").sampling.stop_token_ids == (7, 9)
     assert parse(base, "--rollout-stop-token-ids", "7,9").sampling.stop_token_ids == (7, 9)
+    urls = ("http://a:1", "http://b:2")
+    assert parse(base, "--sglang-server-urls", *urls).sglang.server_urls == urls
+    assert parse(base, "--sglang-server-urls", ",".join(urls)).sglang.server_urls == urls
 
 
 @pytest.mark.parametrize("flag, value, other", [
