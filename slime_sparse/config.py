@@ -67,6 +67,13 @@ class RolloutConfig:
         _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size")
         _choice(self, "engine", ROLLOUT_ENGINES)
         _choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
+        if self.n_samples_per_prompt == 1:
+            # Refused, not warned: every advantage would be 0 and the run would train nothing (slime's std of one
+            # sample is NaN; verl quietly drops the baseline and trains on the raw reward instead).
+            raise ValueError(f"{_flag(self, 'n_samples_per_prompt')}=1 is invalid with "
+                             f"{_flag(self, 'advantage_estimator')}={self.advantage_estimator}: its baseline is the "
+                             "mean reward of each prompt's samples, so one sample per prompt gets advantage 0 and "
+                             "nothing is learned; use >= 2")
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")

@@ -25,6 +25,11 @@ from slime_sparse.utils.seed import set_seed
 logger = logging.getLogger("slime_sparse.train")
 
 
+class StartupError(ValueError):
+    """Bad input met while a run starts (a malformed data row, too few prompts, a checkpoint that does not
+    match the data ...): main() reports it as one line, like a bad flag."""
+
+
 def rollout_seed(cfg: RunConfig, rollout_id: int) -> int:
     """Sampling seed of one rollout: a pure function of (seed, rollout id), so a resumed run draws the same."""
     return cfg.train.seed * 1_000_003 + rollout_id
@@ -83,13 +88,20 @@ def train(cfg: RunConfig) -> dict:
     os.makedirs(cfg.log.run_dir, exist_ok=True)
     save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
     set_seed(cfg.train.seed)
-    components = build_components(cfg)
+    try:
+        components = build_components(cfg)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from exc
     save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
 
     start = 0
     resume_from = checkpoint_to_resume(cfg.train.load or save_dir)  # --load, else the run's own checkpoints
     if resume_from:
-        start = components.load_checkpoint(resume_from)
+        try:
+            start = components.load_checkpoint(resume_from)
+        except ValueError as exc:
+            components.close()
+            raise StartupError(f"cannot resume from {resume_from}: {exc}") from exc
         logger.info("resumed from %s at rollout %d", resume_from, start)
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
                                 wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
@@ -128,7 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except StartupError as exc:
+        logger.debug("start-up failed", exc_info=True)  # the traceback, at DEBUG level
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -69,6 +69,10 @@ def test_dr_grpo_norm_len_defaults_to_response_budget(base_args):
     (["--correction-preset", "bogus"], "preset"),
     (["--train-backend", "jax"], "--train-backend"),
     (["--rm-type", "nope"], "--rm-type"),
+    # one sample per prompt: GRPO's group baseline makes every advantage 0 (refused, not warned)
+    (["--n-samples-per-prompt", "1", "--global-batch-size", "128"], "--n-samples-per-prompt=1 .* advantage 0"),
+    (["--n-samples-per-prompt", "1", "--global-batch-size", "128", "--advantage-estimator", "dr_grpo"],
+     "--n-samples-per-prompt"),
 ])
 def test_invalid_values_name_the_flag(base_args, extra, flag):
     with pytest.raises(ValueError, match=flag):

@@ -124,7 +124,7 @@ def test_malformed_message_is_a_bad_row(tmp_path):
         {"prompt": [], "label": "3"},
     ]
     path = write_jsonl(tmp_path / "p.jsonl", rows)
-    with pytest.raises(ValueError, match="row 1 \\(0-based\\): --input-key 'prompt' message 0 must be a dict"):
+    with pytest.raises(ValueError, match="row 1 \\(0-based\\), line 2: --input-key 'prompt' message 0 must be a dict"):
         PromptDataset(DataConfig(prompt_data=path, apply_chat_template=True), make_tokenizer())
     ds = PromptDataset(DataConfig(prompt_data=path, apply_chat_template=True, skip_bad_rows=True), make_tokenizer())
     assert [p.row for p in ds.prompts] == [0] and ds.num_skipped_bad == 2
@@ -172,7 +172,7 @@ def test_malformed_row_names_file_and_row_or_is_skipped(tmp_path, bad_row, reaso
 
 def test_wrong_type_in_a_uniformly_typed_column_is_a_bad_row(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": 12, "label": "1"}, {"prompt": 3, "label": "2"}])
-    with pytest.raises(ValueError, match="row 0 \\(0-based\\): .*must be a string or a list of messages, got int"):
+    with pytest.raises(ValueError, match="row 0 \\(0-based\\), line 1: .*must be a string or a list of messages, got int"):
         PromptDataset(DataConfig(prompt_data=path), make_tokenizer())
 
 
@@ -324,3 +324,24 @@ def test_records_are_copies(tmp_path):
     first = stream.next_batch()
     first[0].prompt_ids.append(999)
     assert stream.next_batch()[0].prompt_ids == ids("0 0 =")
+
+
+def test_unreadable_line_names_file_row_and_line_or_is_skipped(tmp_path):
+    lines = ['{"prompt": "1 =", "label": "1"}', "", '{"prompt": "2 =", "label": "2"}', '{"prompt": "3 =", "la',
+             "[1, 2]", '{"prompt": "4 =", "label": "4"}']
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl: row 2 \(0-based\), line 4: not valid JSON"):
+        PromptDataset(DataConfig(prompt_data=str(path)), make_tokenizer())
+
+    ds = PromptDataset(DataConfig(prompt_data=str(path), skip_bad_rows=True), make_tokenizer())
+    assert [p.label for p in ds.prompts] == ["1", "2", "4"]
+    assert [p.row for p in ds.prompts] == [0, 1, 4]  # rows of the file, not of what was left
+    assert ds.num_skipped_bad == 2 and ds.num_rows == 5
+
+
+def test_bad_row_names_its_jsonl_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "1 =", "label": "1"}\n\n\n{"prompt": "", "label": "2"}\n')
+    with pytest.raises(ValueError, match=r"row 1 \(0-based\), line 4: --input-key 'prompt' is an empty string"):
+        PromptDataset(DataConfig(prompt_data=str(path)), make_tokenizer())

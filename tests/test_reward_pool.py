@@ -220,3 +220,73 @@ def test_math_reward_fn_through_workers():
         rewards, counters = reward_fn(["\\boxed{\\dfrac12}", "\\boxed{10^{\\circ}}", "no box 5"], ["0.5", "10", "5"])
     assert rewards == [1.0, 1.0, 0.0]
     assert counters == {"graded": 3, "errors": 0, "timeouts": 0}
+
+
+def hog_memory(response: str, label, **kwargs) -> float:
+    """Builds a ~1 GB string, as sympy does with an answer like 10^(10^9)."""
+    return float(len("x" * (1 << 30)))
+
+
+def test_memory_blowup_is_an_error_under_the_cap():
+    with GraderPool(hog_memory, num_workers=1, timeout_s=20.0, memory_limit_mb=256) as capped:
+        (outcome,) = capped.grade([("a", "a", {})])
+    assert outcome.status == "error" and "MemoryError" in outcome.message
+
+
+def raise_by_kind(response: str, label, **kwargs) -> float:
+    if response == "value":
+        raise ValueError("bad label format")
+    if response == "key":
+        raise KeyError("missing")
+    return 1.0
+
+
+def test_raising_grader_is_reported_once_with_traceback_and_counted(caplog):
+    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=1, timeout_s=20.0)
+    with caplog.at_level("WARNING", logger="slime_sparse.reward.reward_fn"), get_reward_fn(config) as reward_fn:
+        for _ in range(3):
+            rewards, counters = reward_fn(["value", "ok", "value"], [None, None, None])
+            assert rewards == [0.0, 1.0, 0.0] and counters == {"graded": 1, "errors": 2, "timeouts": 0}
+        reward_fn(["key"], [None])
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) == 2  # one per kind of failure, not one per batch or per response
+    assert "ValueError: bad label format" in reports[0] and "Traceback (most recent call last)" in reports[0]
+    assert 'raise ValueError("bad label format")' in reports[0]  # the grader's own line
+    assert "KeyError" in reports[1]
+    assert reward_fn.stats.as_dict() == {"graded": 3, "errors": 7, "timeouts": 0}
+
+
+def test_inline_grader_failure_is_reported_with_traceback(caplog):
+    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=0)
+    with caplog.at_level("WARNING", logger="slime_sparse.reward.reward_fn"), get_reward_fn(config) as reward_fn:
+        assert reward_fn(["value", "value"], [None, None]) == ([0.0, 0.0], {"graded": 0, "errors": 2, "timeouts": 0})
+    (report,) = [r.getMessage() for r in caplog.records]
+    assert "Traceback" in report and "bad label format" in report
+
+
+PARENT = """
+import sys, time, threading
+from slime_sparse.reward import GraderPool
+sys.path.insert(0, {tests!r})
+from test_reward_pool import scripted_grader
+pool = GraderPool(scripted_grader, num_workers=2, timeout_s=600.0)
+pool.wait_until_ready()
+print(" ".join(map(str, pool.worker_pids())), flush=True)
+pool.grade([("sleep", None, {{}}), ("a", "a", {{}})])  # one worker hangs in its grader
+"""
+
+
+def test_workers_do_not_outlive_a_killed_trainer(tmp_path):
+    import signal
+    import subprocess
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    parent = subprocess.Popen([sys.executable, "-c", PARENT.format(tests=tests)], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    time.sleep(1.0)  # the busy worker is inside its 60 s sleep, the idle one waits for work
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10.0
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)

@@ -66,3 +66,17 @@ def test_resume_is_exact(assets, tmp_path):
 def test_bad_flag_is_a_clear_error(assets, tmp_path, capsys):
     assert main(args(assets, tmp_path / "r", 1, "--kv-method", "bogus")) == 2
     assert "--kv-method" in capsys.readouterr().err
+
+
+def test_malformed_data_row_is_one_line_without_traceback(assets, tmp_path, capsys):
+    lines = assets.train_path.read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines[:3] + ['{"prompt": "1 2=", "label": '] + lines[3:]) + "\n")
+    argv = args(assets, tmp_path / "r", 1)
+    argv[argv.index("--prompt-data") + 1] = str(bad)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    error_lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert error_lines == [f"error: --prompt-data {bad}: row 3 (0-based), line 4: not valid JSON "
+                           "(Expecting value: line 1 column 29 (char 28))"]

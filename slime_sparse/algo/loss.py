@@ -143,7 +143,9 @@ def _as_tensor(x: Number, like: Tensor) -> Tensor:
 def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: str) -> Tensor:
     """Per-token estimator of KL(pi_theta || pi_ref) from tokens sampled by (roughly) pi_theta.
 
-    k1: logp - ref;  k2: (logp - ref)^2 / 2;  k3: exp(ref - logp) - (ref - logp) - 1 (slime's k3);
+    k1: logp - ref;  k2: (logp - ref)^2 / 2;  k3: exp(d) - d - 1 with d = ref - logp (slime's k3), d capped
+    at 20 (as the PPO ratio's log): slime's exp(d) overflows to inf once pi_theta is e^88 below pi_ref on a
+    sampled token, which the `none` correction preset lets through; below the cap the two are identical;
     low_var_kl: k3 with verl's guards, log ratio clamped to [-20, 20] and the result to [-10, 10].
     """
     if kind == "k1":
@@ -151,7 +153,7 @@ def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: str) -> Tensor:
     if kind == "k2":
         return 0.5 * (logp - logp_ref) ** 2
     if kind == "k3":
-        d = logp_ref - logp
+        d = (logp_ref - logp).clamp(max=_LOG_RATIO_CLAMP)
         return torch.exp(d) - d - 1
     if kind == "low_var_kl":
         d = (logp_ref - logp).clamp(-20.0, 20.0)

@@ -14,6 +14,9 @@ from slime_sparse.types import KVStats
 
 # exp() guard for the ratio moments, the same bound slime's mismatch metrics use.
 _LOG_RATIO_CLAMP = 20.0
+# Perplexities saturate at exp(700) (~1e304, float64's range) instead of overflowing to inf: a mean
+# log-prob below -700 comes only from a broken engine, and one such batch must not make the metric inf.
+_MAX_LOG_PPL = 700.0
 
 
 def mismatch_inputs(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -47,9 +50,11 @@ def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dic
         mismatch/tokens, mismatch/nonfinite_tokens
 
     In k3 and chi2_token, log xi is clamped to [-20, 20] before exp so one absurd token cannot make
-    the metric inf.
+    the metric inf; sums are taken in float64 (finite log-probs of any float32 magnitude add up without
+    overflow) and the perplexities saturate at exp(700).
     """
     old, sparse, on = mismatch_inputs(logp_old, logp_sparse, mask)
+    old, sparse = old.double(), sparse.double()
     f = old.dtype
     finite = torch.isfinite(old) & torch.isfinite(sparse)
     valid = on & finite
@@ -78,8 +83,8 @@ def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dic
         "mismatch/abs_log_xi": mean(log_xi.abs()),
         "mismatch/chi2_token": torch.where(has_tokens, mean(xi_c * xi_c) - 1.0, zero),
         "mismatch/chi2_seq": chi2_seq,
-        "mismatch/sampler_ppl": torch.exp(-mean(sparse)),
-        "mismatch/learner_ppl": torch.exp(-mean(old)),
+        "mismatch/sampler_ppl": torch.exp((-mean(sparse)).clamp(max=_MAX_LOG_PPL)),
+        "mismatch/learner_ppl": torch.exp((-mean(old)).clamp(max=_MAX_LOG_PPL)),
         "mismatch/tokens": n,
         "mismatch/nonfinite_tokens": (on & ~finite).sum().to(f),
     }

@@ -5,17 +5,19 @@ The knobs mirror slime's flags (--prompt-data, --input-key, --label-key, --apply
 source: prompts are consumed in a per-epoch order, and a batch that reaches the end of an epoch is completed
 with the first prompts of the next epoch (carry-over), so no prompt is dropped at epoch boundaries.
 
-Row numbers in error messages are 0-based indices of data rows (blank jsonl lines are not rows). Rows
-that are malformed one by one (missing/null/empty prompt or label, bad messages) raise or, with
-skip_bad_rows, are skipped and counted. A column must hold one JSON type, though (Arrow's rule): a row that
-breaks it, e.g. a number among string prompts, fails the whole load with its row and line named, even with
-skip_bad_rows; we turn off `datasets`' fallback for such files because it silently re-types values.
+Row numbers in error messages are 0-based indices of data rows (blank jsonl lines are not rows), with the
+1-based line of a jsonl file. Rows that are malformed one by one (a line that is not a JSON object,
+missing/null/empty prompt or label, bad messages) raise or, with skip_bad_rows (`--skip-bad-rows`), are
+skipped and counted. A column must hold one JSON type, though (Arrow's rule): a row that breaks it, e.g. a
+number among string prompts, fails the whole load with its row and line named, even with skip_bad_rows;
+we turn off `datasets`' fallback for such files because it silently re-types values.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -132,19 +134,19 @@ class PromptDataset:
         self.num_skipped_bad = 0
         self.prompts: list[Prompt] = []
 
-        table = _load_table(cfg.prompt_data)
+        table, row_ids, unreadable = _load_table(cfg.prompt_data, skip_unreadable=cfg.skip_bad_rows)
         _check_columns(table.column_names, cfg)
-        self.num_rows = len(table)
-        for row_idx, row in enumerate(table):
+        self.num_rows = len(table) + len(unreadable)
+        for row_idx, reason in unreadable:  # lines that are not JSON objects (only with skip_bad_rows)
+            self._skip_bad_row(row_idx, reason)
+        for i, row in enumerate(table):
+            row_idx = row_ids[i] if row_ids is not None else i
             try:
                 prompt = self._parse_row(row_idx, row)
             except _BadRow as err:
-                where = f"--prompt-data {cfg.prompt_data}: row {row_idx} (0-based)"
                 if not cfg.skip_bad_rows:
-                    raise ValueError(f"{where}: {err}") from None
-                if self.num_skipped_bad < 5:  # a few examples are enough to diagnose a bad file
-                    logger.warning("skipping %s: %s", where, err)
-                self.num_skipped_bad += 1
+                    raise ValueError(f"{self._where(row_idx)}: {err}") from None
+                self._skip_bad_row(row_idx, str(err))
                 continue
             if cfg.max_prompt_len is not None and len(prompt.prompt_ids) > cfg.max_prompt_len:
                 self.num_skipped_too_long += 1
@@ -163,6 +165,14 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> Prompt:
         return self.prompts[i]
+
+    def _where(self, row_idx: int) -> str:
+        return f"--prompt-data {self.cfg.prompt_data}: row {row_idx} (0-based){_line_of_row(self.cfg.prompt_data, row_idx)}"
+
+    def _skip_bad_row(self, row_idx: int, reason: str) -> None:
+        if self.num_skipped_bad < 5:  # a few examples are enough to diagnose a bad file
+            logger.warning("skipping %s: %s", self._where(row_idx), reason)
+        self.num_skipped_bad += 1
 
     def records(self) -> list[PromptRecord]:
         """Every prompt once, in file order (index = position in the dataset): for evaluation."""
@@ -352,8 +362,11 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _load_table(path: str):
-    """Read a local file with HF `datasets`' packaged json/parquet builder (no hub access)."""
+def _load_table(path: str, *, skip_unreadable: bool = False):
+    """(table, row ids, unreadable rows) of a local file, read with HF `datasets`' packaged json/parquet builder
+    (no hub access). Row ids is None when table row i is file row i; with skip_unreadable a jsonl file whose
+    lines are not all JSON objects is read without them: row ids then map table rows to file rows, and the
+    skipped ones come back as (row, reason)."""
     import datasets
 
     builder = _BUILDERS[os.path.splitext(path)[1].lower()]
@@ -364,10 +377,59 @@ def _load_table(path: str):
         # and let such a file fail instead (_locate_json_problem then names the row).
         kwargs["on_mixed_types"] = None
     try:
-        return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", **kwargs)
+        return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", **kwargs), None, []
     except Exception as err:  # datasets wraps parse errors in its own types; name the flag, file and row
+        if builder == "json" and skip_unreadable:
+            rows, unreadable = _read_jsonl_objects(path)
+            if unreadable and rows:
+                keep = [i for i, _ in rows]
+                # the readable rows go through the same builder (and the same one-type-per-column check)
+                with tempfile.TemporaryDirectory() as tmp:
+                    clean = os.path.join(tmp, "rows.jsonl")
+                    with open(clean, "w", encoding="utf-8") as fh:
+                        fh.writelines(json.dumps(r) + "\n" for _, r in rows)
+                    try:
+                        table = datasets.load_dataset(builder, data_files=clean, split="train", **kwargs)
+                    except Exception:
+                        detail = _locate_json_problem(path, skip=set(i for i, _ in unreadable))
+                        raise ValueError(f"--prompt-data {path}: {detail or err}") from err
+                    return table, keep, unreadable
         detail = _locate_json_problem(path) if builder == "json" else None
         raise ValueError(f"--prompt-data {path}: {detail or f'cannot be read as {builder}: {err}'}") from err
+
+
+def _read_jsonl_objects(path: str) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
+    """(row, object) of each line of a JSON Lines file that holds a JSON object, and (row, why) of the others."""
+    rows, unreadable = [], []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = len(rows) + len(unreadable)
+            try:
+                value = json.loads(line)
+            except ValueError as err:
+                unreadable.append((row, f"not valid JSON ({err})"))
+                continue
+            if isinstance(value, dict):
+                rows.append((row, value))
+            else:
+                unreadable.append((row, "not a JSON object"))
+    return rows, unreadable
+
+
+def _line_of_row(path: str, row: int) -> str:
+    """", line N" (1-based) of data row `row` of a JSON Lines file (blank lines are not rows); "" for other files."""
+    if os.path.splitext(path)[1].lower() != ".jsonl":
+        return ""
+    with open(path, encoding="utf-8") as fh:
+        seen = -1
+        for lineno, line in enumerate(fh, start=1):
+            if line.strip():
+                seen += 1
+                if seen == row:
+                    return f", line {lineno}"
+    return ""
 
 
 def _json_builder_has(option: str) -> bool:
@@ -378,10 +440,10 @@ def _json_builder_has(option: str) -> bool:
     return option in getattr(JsonConfig, "__dataclass_fields__", {})
 
 
-def _locate_json_problem(path: str) -> str | None:
+def _locate_json_problem(path: str, skip: set[int] = frozenset()) -> str | None:
     """Why a json/jsonl file failed to load: its first invalid line, or the first row where a key holds a
     different JSON type than in earlier rows (Arrow needs one type per column, so such a row cannot be
-    skipped either). None when neither applies."""
+    skipped either). None when neither applies. `skip`: jsonl rows to leave out (already reported)."""
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
     try:
@@ -391,14 +453,17 @@ def _locate_json_problem(path: str) -> str | None:
     if isinstance(whole, list):
         rows = [(i, "", r) for i, r in enumerate(whole)]
     else:  # JSON Lines; blank lines are not rows
-        rows = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        rows, row = [], -1
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
+            row += 1
+            if row in skip:
+                continue
             try:
-                rows.append((len(rows), f", line {lineno}", json.loads(line)))
+                rows.append((row, f", line {lineno}", json.loads(line)))
             except ValueError as err:
-                return f"row {len(rows)} (0-based), line {lineno}: not valid JSON ({err})"
+                return f"row {row} (0-based), line {lineno}: not valid JSON ({err})"
 
     first_kind: dict[str, tuple[str, int]] = {}
     for row_idx, where, row in rows:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
+import sys
 from dataclasses import dataclass, field
 
 from slime_sparse.reward.registry import Grader, get_registered_reward
@@ -13,7 +15,9 @@ from slime_sparse.reward.registry import Grader, get_registered_reward
 def load_custom_reward(path: str) -> Grader:
     """Import the grader named by `--custom-rm-path`.
 
-    Accepts `package.module:function` and, like slime, `package.module.function`. The function must be
+    Accepts `package.module:function` and, like slime, `package.module.function`. The module may live in the
+    working directory (as with `python -m`, also under the `slime-sparse-train` console script, whose
+    sys.path lacks it; it is appended, so it never shadows an installed package). The function must be
     synchronous with signature `fn(response: str, label, **kwargs) -> float`. (slime's own custom rewards
     are `async def fn(args, sample)`; they must be wrapped.) Errors are ValueErrors naming the flag.
     """
@@ -30,7 +34,7 @@ def load_custom_reward(path: str) -> Grader:
             "or 'module.path.function'"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = _import_from_here(module_name)
     except ImportError as exc:
         raise ValueError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} ({exc})") from exc
 
@@ -49,6 +53,23 @@ def load_custom_reward(path: str) -> Grader:
     return obj
 
 
+def _import_from_here(module_name: str):
+    """import_module, retried with the working directory on sys.path when the module is not found."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        here = os.getcwd()
+        if exc.name != top or here in sys.path or "" in sys.path or not _in_directory(here, top):
+            raise
+        sys.path.append(here)  # also what worker processes get (they inherit our sys.path)
+        return importlib.import_module(module_name)
+
+
+def _in_directory(directory: str, top: str) -> bool:
+    return os.path.isfile(os.path.join(directory, f"{top}.py")) or os.path.isdir(os.path.join(directory, top))
+
+
 @dataclass(frozen=True)
 class RewardConfig:
     """How responses are scored.
@@ -59,6 +80,9 @@ class RewardConfig:
     timeout_s: wall-clock limit of one grader call; a call past it scores 0 and counts as a timeout.
     num_workers: grader processes. 0 grades in the calling thread: no timeout is enforced there (a hung
         grader hangs the caller), meant for debugging and for graders that are trivially fast.
+    memory_limit_mb: cap of each grader process's data segment (`--rm-memory-limit-mb`; 0: none): an answer
+        such as 10^(10^10) makes sympy or math-verify raise MemoryError (scored 0, counted) instead of
+        taking the machine's memory. Not enforced with num_workers=0.
     """
 
     rm_type: str = field(default="math", metadata={"help": (
@@ -66,6 +90,9 @@ class RewardConfig:
     custom_rm_path: str | None = None
     timeout_s: float = 5.0
     num_workers: int = 2
+    memory_limit_mb: int = field(default=2048, metadata={"help": (
+        "cap (MiB) of each grader process's data segment, 0: none; an answer that would take the machine's "
+        "memory scores 0 and is counted (not enforced with --rm-num-workers 0)")})
 
     def validate(self) -> None:
         """Raise ValueError naming the offending flag; imports the custom grader to check it exists."""
@@ -73,6 +100,9 @@ class RewardConfig:
             raise ValueError(f"timeout_s (reward grader timeout) must be a positive number, got {self.timeout_s!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
             raise ValueError(f"num_workers (reward worker processes) must be an int >= 0, got {self.num_workers!r}")
+        if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, int) or not (
+                self.memory_limit_mb == 0 or self.memory_limit_mb >= 256):
+            raise ValueError(f"--rm-memory-limit-mb must be 0 (no cap) or an int >= 256, got {self.memory_limit_mb!r}")
         self.resolve_grader()
 
     def resolve_grader(self) -> Grader:

@@ -40,11 +40,13 @@ _MAX_MESSAGE_CHARS = 500
 
 @dataclass(frozen=True)
 class GradeOutcome:
-    """Result of one grader call: status is "ok", "error" or "timeout"; reward is 0.0 unless ok."""
+    """Result of one grader call: status is "ok", "error" or "timeout"; reward is 0.0 unless ok.
+    message: what went wrong, one line; traceback: the grader's traceback when it raised."""
 
     status: str
     reward: float = 0.0
     message: str = ""
+    traceback: str = ""
 
 
 def grader_reference(fn: Callable) -> str:
@@ -146,13 +148,15 @@ def _stop_workers(workers: list[_Worker]) -> None:
 class GraderPool:
     """`num_workers` processes running `grader(response, label, **kwargs)`, each call bounded by `timeout_s`."""
 
-    def __init__(self, grader: Callable, num_workers: int, timeout_s: float) -> None:
+    def __init__(self, grader: Callable, num_workers: int, timeout_s: float, memory_limit_mb: int = 0) -> None:
+        """memory_limit_mb: cap of each worker's data segment (0: none); see worker.py."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 for a process pool, got {num_workers}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         self.reference = grader_reference(grader)
         self.timeout_s = float(timeout_s)
+        self.memory_limit_mb = int(memory_limit_mb)
         self._task_ids = itertools.count()
         self._lock = threading.Lock()  # one batch at a time; callers may be on any thread
         self._workers: list[_Worker] = [self._start_worker() for _ in range(num_workers)]
@@ -166,7 +170,8 @@ class GraderPool:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(path or os.getcwd() for path in sys.path))
         fd = child_sock.fileno()
         process = subprocess.Popen(
-            [sys.executable, "-m", "slime_sparse.reward.worker", "--fd", str(fd), "--grader", self.reference],
+            [sys.executable, "-m", "slime_sparse.reward.worker", "--fd", str(fd), "--grader", self.reference,
+             "--memory-limit-mb", str(self.memory_limit_mb)],
             pass_fds=(fd,),
             stdin=subprocess.DEVNULL,
             env=env,
@@ -288,7 +293,10 @@ class GraderPool:
         task_id, status, payload = message
         if task_id != worker.task_id:
             return  # stale answer to a task from an interrupted batch
-        reward, text = (payload, "") if status == OK else (0.0, payload)
-        outcomes[worker.task_index] = GradeOutcome(status, reward, text)
+        if status == OK:
+            outcomes[worker.task_index] = GradeOutcome(OK, payload)
+        else:
+            text, trace = payload
+            outcomes[worker.task_index] = GradeOutcome(status, 0.0, text, trace)
         worker.task_id = worker.task_index = None
         worker.deadline = math.inf

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -45,8 +46,11 @@ class RewardFunction:
             rewards, counters = reward_fn(responses, labels)
 
     `extras` (optional, one dict per response) is passed to the grader as keyword arguments. `stats`
-    accumulates the counters over every call. Worker processes stop on close(), on leaving the `with`
-    block, when the object is garbage-collected, or at interpreter exit.
+    accumulates the counters over every call; each call returns its own (the loop logs them per rollout as
+    reward/graded, reward/errors, reward/timeouts). A failure is logged once per kind (the exception's type,
+    or a timeout, or a dead worker), the first time it happens, with the grader's traceback; later ones are
+    only counted. Worker processes stop on close(), on leaving the `with` block, when the object is
+    garbage-collected, or at interpreter exit.
     """
 
     def __init__(self, config: RewardConfig) -> None:
@@ -54,7 +58,9 @@ class RewardFunction:
         self.config = config
         self.grader = config.resolve_grader()
         self.stats = RewardStats()
-        self._pool = GraderPool(self.grader, config.num_workers, config.timeout_s) if config.num_workers > 0 else None
+        self._reported: set[str] = set()  # failure kinds already logged
+        self._pool = (GraderPool(self.grader, config.num_workers, config.timeout_s, config.memory_limit_mb)
+                      if config.num_workers > 0 else None)
 
     def __call__(
         self, responses: Sequence[str], labels: Sequence[Any], extras: Sequence[dict[str, Any]] | None = None
@@ -84,19 +90,27 @@ class RewardFunction:
         try:
             return GradeOutcome(OK, as_reward(self.grader(response, label, **kwargs)))
         except Exception as exc:  # noqa: BLE001 - a failing grader scores 0, it does not stop training
-            return GradeOutcome(ERROR, 0.0, describe_exception(exc))
+            return GradeOutcome(ERROR, 0.0, describe_exception(exc), traceback.format_exc())
 
-    @staticmethod
-    def _log_failures(outcomes: list[GradeOutcome]) -> None:
-        for status in (ERROR, TIMEOUT):
-            failed = [o for o in outcomes if o.status == status]
-            if failed:
-                logger.warning(
-                    "reward: %d grader %s(s) in this batch (scored 0); first: %s",
-                    len(failed),
-                    status,
-                    failed[0].message,
-                )
+    def _log_failures(self, outcomes: list[GradeOutcome]) -> None:
+        """Log the first failure of each kind with its traceback; later ones of that kind are only counted."""
+        for outcome in outcomes:
+            if outcome.status == OK:
+                continue
+            kind = outcome.status if outcome.status == TIMEOUT else outcome.message.split(":", 1)[0]
+            if kind in self._reported:
+                continue
+            self._reported.add(kind)
+            counter = "reward/timeouts" if outcome.status == TIMEOUT else "reward/errors"
+            hint = ""
+            if kind == "MemoryError" and self.config.memory_limit_mb:
+                hint = f" (workers are capped at --rm-memory-limit-mb={self.config.memory_limit_mb})"
+            logger.warning(
+                "reward: grader %s: %s%s; the response scores 0. Later failures of this kind are only counted "
+                "(%s in metrics.jsonl).%s",
+                getattr(self.grader, "__qualname__", self.grader), outcome.message, hint, counter,
+                f"\n{outcome.traceback.rstrip()}" if outcome.traceback else "",
+            )
 
     def close(self) -> None:
         if self._pool is not None:

@@ -26,6 +26,7 @@ from typing import Any, Iterator
 
 import torch
 
+from slime_sparse.utils.faults import fault_point
 from slime_sparse.utils.seed import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,10 @@ def training_checkpoint_dir(
 
     with _atomic_dir(path, clean_all_tmp=True) as tmp:
         yield tmp
+        fault_point("checkpoint.staged")
         _write_text(os.path.join(tmp, STATE_FILE), state_text)  # last: marks the content complete
+
+    fault_point("checkpoint.renamed")
 
     save_dir = os.path.dirname(os.path.abspath(path))
     _write_text_atomic(os.path.join(save_dir, LATEST_FILE), os.path.basename(os.path.abspath(path)) + "\n")
@@ -195,6 +199,7 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
         # half-deleted directory that still looks like a checkpoint.
         trash = os.path.join(save_dir, f"{TMP_PREFIX}deleting-{os.path.basename(path)}")
         os.rename(path, trash)
+        fault_point("checkpoint.prune")
         shutil.rmtree(trash)
         logger.info("pruned checkpoint %s", path)
     return doomed

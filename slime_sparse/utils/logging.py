@@ -17,6 +17,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping
 
+from slime_sparse.utils.faults import fault_point
+
 logger = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
@@ -103,7 +105,9 @@ class MetricsLogger:
         values = {key: self._number(key, value) for key, value in metrics.items()}
 
         record = {"step": step, "time": round(time.time(), 3), **values}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        line = json.dumps(record, allow_nan=False) + "\n"
+        fault_point("metrics.write", lambda: (self._file.write(line[: len(line) // 2]), self._file.flush()))
+        self._file.write(line)
         self._file.flush()  # a crash loses at most the line being written
         self._last_step = step
 

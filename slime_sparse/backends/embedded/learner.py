@@ -18,6 +18,7 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
 from slime_sparse.backends.optimizer import OptimConfig, adamw, check_resumed_schedule, hf_lr_scheduler
 from slime_sparse.utils.checkpoint import load_training_state, read_trainer_state, save_training_state
+from slime_sparse.utils.faults import fault_point
 
 
 class EmbeddedLearner:
@@ -68,6 +69,7 @@ class EmbeddedLearner:
                                               with_entropy=self.loss_cfg.entropy_coef != 0)
             loss, metrics = microbatch_loss(logp, entropy, mb, self.loss_cfg, num_seqs, num_tokens)
             loss.backward()
+            fault_point("learner.backward")  # chaos tests: a kill mid-step, weights half-way to updated
             reported.append({**metrics, "train/loss": loss.item()})
         if dist.is_available() and dist.is_initialized():
             self._all_reduce_grads()

@@ -26,6 +26,7 @@ from slime_sparse.kv import KVCompressConfig, compress_indices, row_capacity, sh
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_next
 from slime_sparse.types import GenerationOutput, KVStats
+from slime_sparse.utils.faults import fault_point
 
 from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
@@ -241,6 +242,7 @@ class _Run:
 
     def _step(self, row_start: int, seqs: list[Sequence]) -> None:
         """Run every sequence's pending tokens (as many as fit in its row) through the model once."""
+        fault_point("engine.step")  # chaos tests: a kill mid-rollout
         cache = self.cache
         rows = range(row_start, row_start + len(seqs))
         chunks = [s.pending(self.capacity - cache.fill[r]) for s, r in zip(seqs, rows)]
