@@ -128,8 +128,11 @@ def train(cfg: RunConfig) -> dict:
     finally:
         metrics_log.close()
         components.close()
-    with open(os.path.join(cfg.log.run_dir, "summary.json"), "w", encoding="utf-8") as fh:
-        json.dump(summary, fh, indent=2, default=float)
+    path = os.path.join(cfg.log.run_dir, "summary.json")
+    if "last" in summary or not os.path.exists(path):  # rerunning a finished run keeps the summary it wrote
+        with open(f"{path}.tmp", "w", encoding="utf-8") as fh:
+            json.dump(summary, fh, indent=2, default=float)
+        os.replace(f"{path}.tmp", path)  # a kill mid-write leaves the previous summary, not half of one
     return summary
 
 

@@ -385,11 +385,16 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
                     os.kill(p, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        report.engine_restarts += text.count("died mid-rollout")
+        restarts = text.count("died mid-rollout")
+        report.engine_restarts += restarts
+        engine_kills = sum(k.startswith("rollout") for k in attempt.actor_kills)
+        if attempt.landed is None and restarts != engine_kills:
+            report.problems.append(f"attempt {n}: {engine_kills} engine actor(s) killed mid-rollout but {restarts} "
+                                   f"restarted; see {log_path}")
         report.attempts.append(attempt)
         log(f"attempt {n}: {fault} rc={rc} {seconds:.0f}s resumed_from={attempt.resumed_from} "
             f"landed={attempt.landed} actor_kills={attempt.actor_kills}")
-        done = (save_dir / f"rollout_{num_rollout:06d}" / "trainer_state.json").exists()
+        done = rc == 0 and attempt.landed is None  # the run completed
     if len(report.kills) < kills:
         report.problems.append(f"only {len(report.kills)} of {kills} kills landed in {len(report.attempts)} attempts")
 

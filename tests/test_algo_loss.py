@@ -262,8 +262,8 @@ def test_kl_estimators():
     torch.testing.assert_close(kl_estimate(logp, ref, "k1"), logp - ref)
     torch.testing.assert_close(kl_estimate(logp, ref, "k2"), 0.5 * (logp - ref) ** 2)
     k3 = torch.exp(d) - d - 1
-    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), k3)
-    # past d = 20 the exponent is capped (slime's unguarded k3 reaches inf at d > 88)
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3")[:2], k3[:2])
+    # past d = 20 (the third token: d = 29) the exponent is capped; slime's unguarded k3 reaches inf at d > 88
     capped = kl_estimate(torch.tensor([-30.0, -200.0]), torch.tensor([-1.0, -1.0]), "k3")
     assert capped.tolist() == pytest.approx([math.exp(20.0) - 21.0] * 2)
     low = kl_estimate(logp, ref, "low_var_kl")

@@ -124,3 +124,19 @@ def test_register_reward():
         register_reward("")
     with get_reward_fn(RewardConfig(rm_type="test_exact_upper", num_workers=0)) as reward_fn:
         assert reward_fn(["abc", "abd"], ["ABC", "ABC"]) == ([1.0, 0.0], {"graded": 2, "errors": 0, "timeouts": 0})
+
+
+def test_custom_path_finds_a_module_in_the_working_directory(tmp_path, monkeypatch):
+    """`slime-sparse-train` (a console script) has no working directory on sys.path, unlike `python -m`."""
+    (tmp_path / "my_cwd_reward.py").write_text("def score(response, label, **kwargs):\n    return 0.5\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        config = RewardConfig(custom_rm_path="my_cwd_reward:score", num_workers=1, timeout_s=20.0)
+        with get_reward_fn(config) as reward_fn:  # the worker processes find it too
+            assert reward_fn(["x"], [None]) == ([0.5], {"graded": 1, "errors": 0, "timeouts": 0})
+        assert sys.path[-1] == str(tmp_path)  # appended: an installed package of the same name would win
+    finally:
+        sys.modules.pop("my_cwd_reward", None)
+    with pytest.raises(ValueError, match="cannot import module 'not_here_either'"):
+        RewardConfig(custom_rm_path="not_here_either:score").validate()

@@ -61,6 +61,10 @@ def test_resume_is_exact(assets, tmp_path):
     rewards_a = [r["rollout/reward_mean"] for r in read_metrics(straight) if "rollout/reward_mean" in r]
     rewards_b = [r["rollout/reward_mean"] for r in read_metrics(resumed) if "rollout/reward_mean" in r]
     assert rewards_a == rewards_b
+    # the same command once more: nothing left to do, and nothing of the finished run is lost
+    summary, metrics = (resumed / "summary.json").read_text(), (resumed / "metrics.jsonl").read_text()
+    assert main(args(assets, resumed, 4)) == 0
+    assert (resumed / "summary.json").read_text() == summary and (resumed / "metrics.jsonl").read_text() == metrics
 
 
 def test_bad_flag_is_a_clear_error(assets, tmp_path, capsys):

@@ -23,9 +23,12 @@ Every knob is explicit in `CorrectionConfig`; presets reproduce the two publishe
 Conventions (same as the reference): weights are defined on every original-mask token, rejection is
 expressed only through the returned mask, and the loss uses both (multiply by the weight, aggregate
 with the mask, which also shrinks the denominators). Metrics are taken over the original mask.
-Deviation from the reference, on purpose: a sequence with a non-finite log-prob (-inf / NaN) at any
-masked position is rejected whole, gets weight 0, is left out of the batch-normalisation mean and of
-the xi statistics, and is counted in "correction/nonfinite_seqs"; nothing non-finite reaches the outputs.
+Deviation from the reference, on purpose: a sequence with a non-finite log-prob (-inf, +inf or NaN, from
+either policy) at any masked position is rejected whole, like a vetoed one: a sampler that reports -inf
+sampled a token it gave probability 0, and NaN means a broken forward; neither can be weighed. It gets
+weight 0, is left out of the batch-normalisation mean and of the xi statistics, and is counted in
+"correction/nonfinite_seqs" and in the rejection rates; nothing non-finite reaches the outputs
+(tests/test_fuzz_objective.py holds this over thousands of adversarial batches).
 """
 from __future__ import annotations
 
