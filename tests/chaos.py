@@ -181,7 +181,7 @@ def classify(record: dict) -> str:
             return "evaluation (generation)"
         if "run_rollout" in stack:
             return "rollout (generation)"
-        return "rollout (generation, engine actor)"
+        return "generation (engine actor)"
     return {
         "learner.backward": "learner step (after backward, before optimizer step)",
         "checkpoint.staged": "checkpoint write (files staged, not yet complete)",
@@ -387,7 +387,7 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
                     pass
         restarts = text.count("died mid-rollout")
         report.engine_restarts += restarts
-        engine_kills = sum(k.startswith("rollout") for k in attempt.actor_kills)
+        engine_kills = sum(k.startswith("generation") for k in attempt.actor_kills)
         if attempt.landed is None and restarts != engine_kills:
             report.problems.append(f"attempt {n}: {engine_kills} engine actor(s) killed mid-rollout but {restarts} "
                                    f"restarted; see {log_path}")

@@ -125,7 +125,8 @@ def loss_configs(seed: int) -> list[LossConfig]:
         out.append(LossConfig(
             eps_clip=rng.choice([0.2, 0.1]), eps_clip_high=rng.choice([None, 0.28]), eps_clip_c=rng.choice([None, 3.0]),
             loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=rng.choice([1e-4, 1.0]), kl_loss_type=kl,
-            entropy_coef=rng.choice([0.0, 0.01]), norm_len=rng.randint(1, 32) if mode == "seq-mean-token-sum-norm" else None,
+            entropy_coef=rng.choice([0.0, 0.01]),
+            norm_len=rng.randint(1, 32) if mode == "seq-mean-token-sum-norm" else None,
         ))
     return out
 
@@ -149,7 +150,8 @@ def check_rejections_counted(case: Case, corr, preset: str, where: str) -> None:
     assert m["correction/seqs"] == int(has.sum()), where
     assert m["correction/seq_reject_rate"] * max(int(has.sum()), 1) == pytest.approx(rejected_seqs, abs=1e-3), where
     rejected_tokens = int(orig.sum()) - int(kept.sum())
-    assert m["correction/token_reject_rate"] * max(int(orig.sum()), 1) == pytest.approx(rejected_tokens, abs=1e-3), where
+    token_rate = m["correction/token_reject_rate"]
+    assert token_rate * max(int(orig.sum()), 1) == pytest.approx(rejected_tokens, abs=1e-3), where
     if preset == "none":  # nothing but the non-finite sequences may go
         assert rejected_seqs == int((nonfinite & has).sum()), where
     assert torch.isfinite(corr.weights).all(), f"{where}: non-finite weights"

@@ -167,7 +167,8 @@ class PromptDataset:
         return self.prompts[i]
 
     def _where(self, row_idx: int) -> str:
-        return f"--prompt-data {self.cfg.prompt_data}: row {row_idx} (0-based){_line_of_row(self.cfg.prompt_data, row_idx)}"
+        path = self.cfg.prompt_data
+        return f"--prompt-data {path}: row {row_idx} (0-based){_line_of_row(path, row_idx)}"
 
     def _skip_bad_row(self, row_idx: int, reason: str) -> None:
         if self.num_skipped_bad < 5:  # a few examples are enough to diagnose a bad file
