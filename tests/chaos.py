@@ -238,7 +238,8 @@ def compare_checkpoints(got: Path, want: Path, *, rng: bool = True) -> list[str]
                        torch.load(want / "rng.pt", weights_only=True), "rng", problems)
     sa, sb = (json.loads((p / "trainer_state.json").read_text()) for p in (got, want))
     _tensors_equal(sa, sb, "trainer_state", problems)
-    return [f"{got.name}: {p}" for p in problems]
+    shown = [f"{got.name}: {p}" for p in problems[:5]]
+    return shown + ([f"{got.name}: ... and {len(problems) - 5} more differences"] if len(problems) > 5 else [])
 
 
 def compare_metrics(got: Path, want: Path, num_rollout: int) -> list[str]:
@@ -319,10 +320,13 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
     report.reference_seconds = info["seconds"]
     per_rollout = {p: max(1, info["counts"].get(p, 1)) / num_rollout for p in (*TARGETS, "engine.step")}
     rollout_s = info["seconds"] / num_rollout
+    max_len = int(args[len(args) - 1 - args[::-1].index("--rollout-max-response-len") + 1])
     ref_ckpts = {step: Path(p) for step, p in list_checkpoints(str(ref_dir / "checkpoints"))}
 
     chaos_args = [*common, "--run-dir", str(run_dir)]
     save_dir = run_dir / "checkpoints"
+    if actor_faults:  # engine steps run in the engine actors, which the actor fault already targets
+        targets = tuple(t for t in targets if t != "engine.step")
     specs = plan_faults(kills, rng, external=external, targets=targets)
     max_attempts = max_attempts or 3 * kills
     trace = out / "fault_trace.txt"
@@ -348,8 +352,8 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
         records = out / f"faults-{n:03d}"
         remaining = num_rollout - step
         armed = [] if kind in ("none", "external") else [f"{kind}@{pick_hit(rng, per_rollout[kind], remaining)}"]
-        if actor_faults and not final:  # counted per engine actor: half of the rollout's steps each
-            armed.append(f"engine.step@{pick_hit(rng, per_rollout['engine.step'] / 2, remaining)}")
+        if actor_faults and not final:  # counted per engine actor, which decodes up to max_len steps a call
+            armed.append(f"engine.step@{rng.randint(1, max_len)}")
         if armed:
             env.update({FAULT_ENV: ",".join(armed), RECORD_ENV: str(records)})
         kill_after = rng.uniform(1.0, 10.0 + min(2, remaining) * rollout_s) if kind == "external" else None

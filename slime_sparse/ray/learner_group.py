@@ -32,6 +32,7 @@ from slime_sparse.backends.batching import balance_by_tokens
 from slime_sparse.backends.metrics import merge_parts
 from slime_sparse.factory import LearnerSpec, build_learner
 from slime_sparse.utils.device import dist_backend, resolve_device
+from slime_sparse.utils.seed import set_seed
 
 from .placement import RayCluster
 from .utils import ActorDied, get_each
@@ -89,7 +90,9 @@ class LearnerWorker:
             torch.cuda.set_device(0)  # Ray shows each actor only the GPU of its bundle
         dist.init_process_group(dist_backend(device), store=store, rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.timeout_s))
-        torch.manual_seed(self.spec.train.seed)  # identical replicas, whatever the model builder draws
+        # identical replicas, whatever the model builder draws; python and numpy too, so that the RNG state a
+        # checkpoint stores is the run's, not the actor process's (the chaos test compares it bit for bit)
+        set_seed(self.spec.train.seed)
         self.learner = build_learner(self.spec)  # Megatron: its groups (TP x DP) over this process group
         if isinstance(self.learner, MegatronLearner):
             return RankInfo(str(device), self.learner.data_parallel_rank, self.learner.data_parallel_size, True)
