@@ -159,6 +159,14 @@ def tagged_processes(tag: str) -> list[int]:
     return pids
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return f"{pid} " + fh.read().replace(b"\0", b" ").decode(errors="replace")[:100]
+    except OSError:
+        return f"{pid} (gone)"
+
+
 def wait_for_no_processes(tag: str, grace_s: float) -> list[int]:
     deadline = time.monotonic() + grace_s
     while True:
@@ -381,10 +389,11 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
         if rc not in (0, -signal.SIGKILL) and attempt.landed is None:
             if not attempt.actor_kills or final:
                 report.problems.append(f"attempt {n} ({fault}) failed with exit code {rc}; see {log_path}")
-        leftover = wait_for_no_processes(tag, grace_s=30.0)
+        leftover = wait_for_no_processes(tag, grace_s=60.0)
         attempt.leftover_processes = len(leftover)
         if leftover:
-            report.problems.append(f"attempt {n}: {len(leftover)} process(es) outlived the run: {leftover}")
+            names = [_cmdline(p) for p in leftover]
+            report.problems.append(f"attempt {n}: {len(leftover)} process(es) outlived the run by 60 s: {names}")
             for p in leftover:
                 try:
                     os.kill(p, signal.SIGKILL)
