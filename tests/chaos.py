@@ -28,6 +28,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def train_command(args: list[str]) -> list[str]:
 
 
 def run_once(args: list[str], log_path: Path, env: dict, *, kill_after_s: float | None = None,
-             timeout_s: float = 1800.0) -> tuple[int, float, int]:
+             timeout_s: float = 4 * 3600.0) -> tuple[int, float, int]:
     """Run the trainer to its end (or until killed); returns (exit code, seconds, pid)."""
     t0 = time.monotonic()
     with open(log_path, "w") as log:
@@ -317,6 +318,8 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
     ref_info = out / "reference.json"  # reused when the reference of the same command is there
     if not ref_info.exists() or json.loads(ref_info.read_text())["args"] != common:
         log(f"reference run -> {ref_dir}")
+        if ref_dir.exists():
+            shutil.rmtree(ref_dir)  # from another command or an interrupted reference: start over
         ref_trace = out / "reference_trace.txt"
         ref_trace.unlink(missing_ok=True)
         rc, seconds, pid = run_once([*common, "--run-dir", str(ref_dir), "--keep-last", "1000"],
@@ -341,8 +344,6 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
     trace = out / "fault_trace.txt"
     trace.unlink(missing_ok=True)
     if run_dir.exists():  # a fresh chaos run each time (the reference is reused)
-        import shutil
-
         shutil.rmtree(run_dir)
     done = False
     while not done:

@@ -1,6 +1,7 @@
-"""Chaos: the tiny recipe (examples/tiny_cpu) killed with SIGKILL again and again and resumed each time;
-it must end bit-identical to an uninterrupted run, with every rollout in metrics.jsonl exactly once and no
-partial checkpoint ever loaded. The driver and its checks: tests/chaos.py. About an hour on 2 idle cores:
+"""Chaos: the tiny recipe (examples/tiny_cpu, its Sparse-RL variant, 8 rollouts = its first evaluation interval,
+a checkpoint after every rollout) killed with SIGKILL again and again and resumed each time; it must end
+bit-identical to an uninterrupted run, with every rollout in metrics.jsonl exactly once and no partial
+checkpoint ever loaded. The driver and its checks: tests/chaos.py. About an hour on 2 idle cores:
 
     python -m pytest -m chaos -s -p no:cacheprovider        # SLIME_SPARSE_CHAOS_DIR=runs/chaos keeps the runs
 """
@@ -22,7 +23,7 @@ def out_dir(tmp_path: Path, name: str) -> Path:
 
 
 def test_tiny_recipe_survives_20_kills(tmp_path):
-    report = run_chaos(recipe_args(), out_dir(tmp_path, "embedded"), num_rollout=16, kills=20, external=3)
+    report = run_chaos(recipe_args(), out_dir(tmp_path, "embedded"), num_rollout=8, kills=20, external=3)
     print(report.table())
     assert not report.problems
     assert len(report.kills) == 20
