@@ -3,8 +3,9 @@
 Through the real reward function (worker processes, timeout, memory cap), every answer must come back as a
 reward in {0, 1} with its status counted (graded / errors / timeouts), and a batch must come back within
 its time bound: ceil(answers / workers) timeouts plus start-up slack, so no answer can stall a training step.
-The default run grades the hostile answers once per grader; `-m slow` adds a seeded generator of
-mutations (FULL_RANDOM answers per grader).
+The default run grades the hostile answers with `math` and a third of them with `math_verify` (whose timeouts
+cost a worker restart each); `-m slow` grades all of them with both and adds a seeded generator of mutations
+(FULL_RANDOM answers per grader).
 """
 from __future__ import annotations
 
@@ -97,9 +98,13 @@ def check(rm_type: str, answers: list[str]) -> dict:
     return counters
 
 
-@pytest.mark.parametrize("rm_type", ["math", "math_verify"])
-def test_hostile_answers_score_zero_in_bounded_time(rm_type):
-    counters = check(rm_type, HOSTILE)
+@pytest.mark.parametrize("rm_type, answers", [
+    ("math", HOSTILE),
+    ("math_verify", HOSTILE[:8] + HOSTILE[-6:]),  # all of them: ~2 minutes on 2 cores, in the slow set
+    pytest.param("math_verify", HOSTILE, marks=pytest.mark.slow, id="math_verify-all"),
+])
+def test_hostile_answers_score_zero_in_bounded_time(rm_type, answers):
+    counters = check(rm_type, answers)
     assert counters["graded"] > 0
 
 
