@@ -19,6 +19,11 @@ import os
 import re
 from typing import Any
 
+try:  # at import: grader workers import this module at start-up, so no timed call pays for it (~1.5 s CPU)
+    import reasoning_gym
+except ImportError:  # the recipe's flags can still be parsed and checked without it
+    reasoning_gym = None
+
 SYSTEM = ("Solve the problem, thinking briefly step by step. On the last line write 'Answer: ' "
           "followed by only the final answer.")
 TASK = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=1)
@@ -29,8 +34,7 @@ _INTEGER = re.compile(r"[-+]?\d[\d,]*")
 
 def rows(n: int, seed: int) -> list[dict[str, Any]]:
     """n problems from reasoning-gym (seeded), as chat-message prompt rows."""
-    import reasoning_gym
-
+    _require_reasoning_gym()
     data = reasoning_gym.create_dataset("products", size=n, seed=seed, **TASK)
     return [{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": x["question"]}],
              "label": x["answer"]} for x in data]
@@ -56,13 +60,17 @@ def extract_answer(response: str) -> str | None:
 def reward(response: str, label: Any, **kwargs: Any) -> float:
     """1.0 when the extracted answer is exactly right under reasoning-gym's own `products` scorer, else 0.
     (That scorer gives partial credit, e.g. 0.67 for "-45" against "45": only full credit counts here.)"""
-    import reasoning_gym
-
+    _require_reasoning_gym()
     answer = extract_answer(response)
     if answer is None:
         return 0.0
     score = reasoning_gym.get_score_answer_fn("products")(answer, {"answer": str(label)})
     return 1.0 if score >= 1.0 else 0.0
+
+
+def _require_reasoning_gym() -> None:
+    if reasoning_gym is None:
+        raise RuntimeError('the products task needs reasoning-gym: pip install "slime_sparse[real]"')
 
 
 def write_jsonl(path: str, data: list[dict[str, Any]]) -> None:

