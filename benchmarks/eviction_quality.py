@@ -156,13 +156,25 @@ def aggregate(results: list[dict]) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| method | budget | seeds | mean k3 | (std over seeds) | mean k1 | mean abs log xi | KV savings |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        budget = "dense" if r["method"] == "none" else str(r["budget"])
-        lines.append(f"| {r['method']} | {budget} | {r['seeds']} | {r['k3']:.4f} | {r['k3_std']:.4f} | {r['k1']:.4f} | "
-                     f"{r['abs_log_xi']:.4f} | {r['savings']:.2f} |")
-    return "\n".join(lines)
+    """Markdown: budgets down, methods across, one block per metric (k3 with its spread over seeds)."""
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    budgets = sorted({r["budget"] for r in rows if r["method"] != "none"})
+    cell = {(r["method"], r["budget"]): r for r in rows}
+    out = []
+    for title, fmt in (("mean k3 (std over seeds)", lambda r: f"{r['k3']:.4f} ({r['k3_std']:.4f})"),
+                       ("mean k1", lambda r: f"{r['k1']:.4f}"),
+                       ("KV savings (1 - kept / dense KV tokens)", lambda r: f"{r['savings']:.2f}"),
+                       ("response length (tokens)", lambda r: f"{r['len']:.0f}")):
+        out += [f"{title}:", "", "| budget | " + " | ".join(methods) + " |", "| ---: |" + " ---: |" * len(methods)]
+        for b in budgets:
+            out.append(f"| {b} | " + " | ".join(fmt(cell[m, b]) if (m, b) in cell else "" for m in methods) + " |")
+        out.append("")
+    dense = cell.get(("none", 0))
+    if dense is not None:
+        out.append(f"dense (no compression, the numerical floor): k3 {dense['k3']:.1e}, k1 {dense['k1']:.1e}, "
+                   f"response length {dense['len']:.0f}, prompt length {dense['prompt']:.0f}; seeds per cell: "
+                   + ", ".join(sorted({str(r['seeds']) for r in rows})))
+    return "\n".join(out)
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -177,14 +189,20 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         b = [r["budget"] for r in rs]
         axes[0].errorbar(b, [r["k3"] for r in rs], yerr=[r["k3_std"] for r in rs], marker="o", capsize=3, label=method)
         axes[1].plot(b, [r["k1"] for r in rs], marker="o", label=method)
-        axes[2].plot(b, [r["savings"] for r in rs], marker="o", label=method)
-    for ax, name in zip(axes, ["mean k3 (pi_sparse vs dense pi_old)", "mean k1", "KV savings (1 - kept / dense)"]):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("KV budget (tokens)")
+        axes[2].plot([r["savings"] for r in rs], [r["k3"] for r in rs], marker="o", label=method)
+        for r in rs:
+            axes[2].annotate(str(r["budget"]), (r["savings"], r["k3"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    titles = ["mean k3 (pi_sparse vs dense pi_old)", "mean k1", "trade-off: mean k3 vs KV savings (labels: budget)"]
+    for ax, name in zip(axes, titles):
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    axes[0].set_yscale("log")
-    axes[1].set_yscale("symlog", linthresh=1e-3)  # k1 is a signed estimator: small samples can go below 0
+        ax.set_yscale("log")
+    for ax in axes[:2]:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("KV budget (tokens)")
+    if any(r["k1"] <= 0 for r in rows if r["method"] != "none"):
+        axes[1].set_yscale("symlog", linthresh=1e-3)  # k1 is a signed estimator: small samples can go below 0
+    axes[2].set_xlabel("KV savings (1 - kept / dense KV tokens)")
     axes[0].legend()  # (the dense row of the table is the numerical floor, ~1e-7 and below: off this scale)
     fig.suptitle(title)
     fig.tight_layout()
