@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime_sparse.algo.metrics import kv_metrics, mismatch_metrics  # noqa: E402
+from slime_sparse.backends.batching import MicroBatching  # noqa: E402
 from slime_sparse.backends.logprobs import pad_right, recompute_logprobs, response_logprobs, response_mask  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
@@ -84,7 +85,7 @@ def measure(model, prompts: list[list[int]], kv: KVCompressConfig, params: Sampl
     t_gen = time.perf_counter() - t0
     tokens = [o.prompt_ids + o.response_ids for o in outs]
     lens = [len(o.response_ids) for o in outs]
-    old = recompute_logprobs(model, tokens, lens, 4096,
+    old = recompute_logprobs(model, tokens, lens, MicroBatching(max_tokens=4096),
                              lambda m, t, r: response_logprobs(m, t, r, temperature=params.temperature)[0])
     sparse = [torch.tensor(o.logprobs) for o in outs]
     mm = mismatch_metrics(pad_right(old, 0.0, dtype=torch.float32), pad_right(sparse, 0.0, dtype=torch.float32),
