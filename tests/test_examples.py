@@ -51,3 +51,36 @@ def test_qwen25_7b_recipe_parses_and_fits_its_layout(qwen25_7b, tmp_path, capsys
                            str(data), "--run-dir", "runs/x", "--dry-run", "--num-rollout", "3"]) == 0
     printed = capsys.readouterr().out.split()
     assert printed[2:4] == ["submit", "10.0.0.1"] and printed[-2:] == ["--num-rollout", "3"]
+
+
+def test_real_model_recipe_parses_and_grades(monkeypatch, tmp_path):
+    """examples/real_model: every flag known and valid, the grader importable by name as the workers import it,
+    and the grader's reading of answers (the real-model tests grade live outputs with it)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "real_model"))
+    import products
+
+    # loaded under its own name: other recipes have a run.py too
+    spec = importlib.util.spec_from_file_location("real_model_run", os.path.join(EXAMPLES, "real_model", "run.py"))
+    real_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(real_run)
+
+    model = tmp_path / "model"
+    model.mkdir()
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train.jsonl", "eval.jsonl"):
+        (data / name).write_text(json.dumps({"prompt": [{"role": "user", "content": "2 * 3?"}], "label": "6"}) + "\n")
+    for short in (False, True):
+        cmd = real_run.train_command(str(model), str(data), str(tmp_path / "run"), short, ["--lr", "2e-5"])
+        assert cmd[0] == "slime-sparse-train"
+        cfg = load_config(cmd[1:])
+        assert cfg.kv.method == "rkv" and cfg.kv.budget + cfg.kv.buffer < cfg.sampling.max_new_tokens
+        assert cfg.data.apply_chat_template and cfg.correction.preset == "mis" and cfg.train.lr == 2e-5
+        assert cfg.reward.resolve_grader() is products.reward
+    # answer line first, else the last integer; markdown and trailing dots tolerated
+    assert products.extract_answer("5 * 9 = 45\nAnswer: 45.") == "45"
+    assert products.extract_answer("**Answer:** 54") == "54"
+    assert products.extract_answer("7 * 8 = 56, so the product is 56") == "56"
+    assert products.extract_answer("I cannot help with that.") is None
