@@ -17,7 +17,7 @@ Every process a run starts inherits a tag in its environment; after each kill th
 tagged processes (grader workers, Ray's processes) to be gone and counts the ones that outlive it.
 
     python tests/chaos.py --kills 20 --out runs/chaos              # the tiny recipe, embedded
-    python tests/chaos.py --kills 10 --use-ray --out runs/chaos_ray
+    python tests/chaos.py --kills 10 --use-ray --out runs/chaos_ray  # each attempt also kills an engine actor
 (`python -m pytest -m chaos -s` runs both as tests.)
 """
 from __future__ import annotations
@@ -429,11 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--external", type=int, default=3, help="how many of the kills are random-delay kills")
     parser.add_argument("--num-rollout", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--use-ray", action="store_true")
+    parser.add_argument("--use-ray", action="store_true",
+                        help="the run on Ray; every attempt also kills an engine actor mid-rollout")
     ns, extra = parser.parse_known_args(argv)
     args = recipe_args(use_ray=ns.use_ray) + extra
     report = run_chaos(args, Path(ns.out), num_rollout=ns.num_rollout, kills=ns.kills, external=ns.external,
-                       seed=ns.seed)
+                       seed=ns.seed, actor_faults=ns.use_ray)
     print(report.table())
     return 1 if report.problems else 0
 
