@@ -222,6 +222,42 @@ def test_math_reward_fn_through_workers():
     assert counters == {"graded": 3, "errors": 0, "timeouts": 0}
 
 
+_initialised = False
+
+
+def _initialise() -> None:
+    """A grader's one-off start-up cost (math-verify: its imports and LaTeX grammar, seconds on a busy machine)."""
+    global _initialised
+    time.sleep(2.0)
+    _initialised = True
+
+
+def lazily_initialised(response: str, label, **kwargs) -> float:
+    if not _initialised:
+        _initialise()
+    return 1.0 if response == label else 0.0
+
+
+lazily_initialised.warm_up = _initialise
+
+
+def test_warm_up_runs_before_ready_not_inside_a_call_timeout():
+    """After a timeout, the next answer goes to a fresh worker: its start-up must not time that answer out too."""
+    with GraderPool(lazily_initialised, num_workers=1, timeout_s=1.0) as lazy:
+        outcomes = lazy.grade([("a", "a", {}), ("b", "c", {})])
+        assert [o.status for o in outcomes] == ["ok", "ok"]
+        lazy._replace(0)  # as after a timeout: a fresh worker, not yet initialised
+        assert [o.reward for o in lazy.grade([("x", "x", {})])] == [1.0]
+
+
+def test_math_verify_warms_up_in_its_worker():
+    """Its warm-up runs in a worker (an error there would fail the pool's start-up) and leaves it grading."""
+    with GraderPool(grade_math_verify, num_workers=1, timeout_s=20.0) as mv:
+        mv.wait_until_ready()
+        (outcome,) = mv.grade([("\\boxed{\\frac{1}{2}}", "0.5", {})])
+    assert outcome.status == "ok" and outcome.reward == 1.0
+
+
 def hog_memory(response: str, label, **kwargs) -> float:
     """Builds a ~1 GB string, as sympy does with an answer like 10^(10^9)."""
     return float(len("x" * (1 << 30)))

@@ -54,3 +54,13 @@ def grade_math_verify(response: str, label: Any, **kwargs: Any) -> float:
     if not predicted:
         return 0.0
     return 1.0 if any(verify(gold, predicted, timeout_seconds=None) for gold in golds) else 0.0
+
+
+def _warm_up() -> None:
+    """Import math-verify and parse + verify once. A worker does it before it takes answers (see worker.py): on
+    a busy machine the first call's imports took longer than a 3 s timeout, so after one hostile answer every
+    later one, right answers included, timed out on its fresh worker (found by tests/test_fuzz_reward.py)."""
+    grade_math_verify("\\boxed{1}", "1")
+
+
+grade_math_verify.warm_up = _warm_up  # type: ignore[attr-defined]

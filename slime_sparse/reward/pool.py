@@ -10,7 +10,8 @@ Workers are fresh interpreters (`python -m slime_sparse.reward.worker`, see work
 trainer process may hold threads and a CUDA context that forking would duplicate, and unlike
 multiprocessing's "spawn" nothing re-imports the caller's `__main__` script. A worker receives the grader
 as a `module:qualname` reference and imports it, with the parent's sys.path: graders must be module-level
-functions of importable modules (not of the `__main__` script).
+functions of importable modules (not of the `__main__` script). A grader may carry a `warm_up()` attribute
+(lazy imports to do once): each worker runs it before it reports ready, outside every call's timeout.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
     python -m slime_sparse.reward.worker --fd FD --grader module:qualname [--memory-limit-mb N]
 
 FD is this end of a socket pair to the parent. Protocol (pickled messages through
-multiprocessing.connection): the worker first sends ("ready", None) or ("init_error", text); then for each
+multiprocessing.connection): the worker imports the grader, runs its `warm_up()` attribute if it has one (lazy
+imports, a parser to build: seconds on a busy machine, which must not count against the first answer's
+timeout, nor against every answer after a timeout, each graded by a fresh worker), and sends ("ready", None)
+or ("init_error", text); then for each
 (task_id, response, label, kwargs) it receives, it answers (task_id, "ok", reward) or
 (task_id, "error", (text, traceback)); None, or the parent going away, ends it.
 
@@ -34,6 +37,9 @@ _MAX_TRACEBACK_CHARS = 8000
 def serve(conn: Connection, reference: str) -> None:
     try:
         grader = resolve_reference(reference)
+        warm_up = getattr(grader, "warm_up", None)
+        if warm_up is not None:
+            warm_up()
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("init_error", describe_exception(exc)))
         return
