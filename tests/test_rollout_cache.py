@@ -97,14 +97,14 @@ def test_window_queries_are_the_last_in_order_after_wraparound():
         assert torch.equal(got[layer], history[layer, :, -WIN:])
 
 
-def test_move_row_copies_all_state():
+def test_copy_row_copies_all_state():
     cache = make_cache()
     plan = build_plan(0, [[1, 2, 3, 4], [5, 6]], [0, 0], [0, 0], [0, 0], WIN, torch.device("cpu"))
     cache.begin(plan)
     run_plan(cache, plan, [4, 2])
     cache.mass[:, 1] = torch.rand(L, HKV, CAP)
     before = {name: getattr(cache, name)[:, 1].clone() for name in ("key", "value", "positions", "mass", "queries")}
-    cache.move_row(src=1, dst=0)
+    cache.copy_row(src=1, dst=0)
     assert cache.fill[0] == 2 and cache.queries_seen[0] == 2
     for name in ("key", "value", "positions", "mass"):
         assert torch.equal(getattr(cache, name)[:, 0, :, :2], before[name][:, :, :2]), name

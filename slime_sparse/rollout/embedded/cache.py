@@ -118,8 +118,9 @@ class BudgetKVCache(Cache):
         self.fill[row] = 0
         self.queries_seen[row] = 0
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy row src into row dst (to keep running sequences in contiguous rows)."""
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy row src into row dst: a prefill shared by the samples of one prompt, or the last running row moved
+        into a finished one's place (running sequences stay in contiguous rows)."""
         n = self.fill[src]
         for t in (self.key, self.value, self.positions, self.mass):
             if t is not None:
