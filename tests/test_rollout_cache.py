@@ -3,7 +3,7 @@ import torch
 
 from slime_sparse.rollout.embedded.attention import grouped_attention
 from slime_sparse.rollout.embedded.cache import BudgetKVCache
-from slime_sparse.rollout.embedded.plan import build_plan
+from slime_sparse.rollout.embedded.plan import build_plan, decode_plan
 
 L, HKV, HQ, D, CAP, WIN = 2, 2, 4, 4, 10, 3
 
@@ -45,6 +45,18 @@ def test_plan_left_pads_and_masks_by_hand():
     # last `window` = 2 real queries per row go to ring slots (seen + i) % 2
     assert list(zip(plan.ring_row.tolist(), plan.ring_slot.tolist())) == [(1, 1), (1, 0), (2, 1), (2, 0)]
     assert plan.query_valid.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_decode_plan_equals_the_general_plan_of_one_token_chunks():
+    tokens, fills, positions, seen = [5, 6, 7], [3, 9, 1], [10, 40, 1], [10, 40, 2]
+    fast = decode_plan(tokens, fills, positions, seen, window=4, device=torch.device("cpu"))
+    general = build_plan(0, [[t] for t in tokens], fills, positions, seen, window=4, device=torch.device("cpu"))
+    assert fast.decode and not general.decode and fast.span == general.span == 10
+    for name in ("input_ids", "position_ids", "attn_mask", "write_row", "write_slot", "write_pos", "ring_row",
+                 "ring_slot", "query_valid"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    for a, b in zip(fast.write_src + fast.ring_src, general.write_src + general.ring_src):
+        assert torch.equal(a, b)
 
 
 def test_update_writes_real_tokens_and_returns_views():

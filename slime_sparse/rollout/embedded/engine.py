@@ -31,7 +31,7 @@ from slime_sparse.types import GenerationOutput, KVStats
 
 from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
-from .plan import build_plan
+from .plan import StepPlan, build_plan, decode_plan
 from .sequence import KVTraceRecord, Sequence
 
 LONG_PROMPT_POLICIES = ("error", "skip")
@@ -307,7 +307,10 @@ class _Run:
     def _decode(self) -> None:
         """One decode step: every running sequence runs its one pending token (the one sampled last)."""
         seqs, cache = self.running, self.cache
-        logits = self._forward(0, [s.pending(1) for s in seqs], [s.processed for s in seqs])
+        n = len(seqs)
+        plan = decode_plan([s.response[-1] for s in seqs], cache.fill[:n], [s.processed for s in seqs],
+                           cache.queries_seen[:n], self.kv.window, self.engine.device)
+        logits = self._run_plan(plan, [1] * n)
         for row, seq in enumerate(seqs):
             self._account(seq, row, 1, ())
         self._sample(seqs, logits)
@@ -323,12 +326,16 @@ class _Run:
         rows = range(row_start, row_start + len(chunks))
         plan = build_plan(row_start, chunks, [cache.fill[r] for r in rows], first_positions,
                           [cache.queries_seen[r] for r in rows], self.kv.window, self.engine.device)
+        return self._run_plan(plan, [len(c) for c in chunks])
+
+    def _run_plan(self, plan: StepPlan, chunk_lengths: list[int]) -> Tensor:
+        cache = self.cache
         cache.begin(plan)
         logits = self.model(
             input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=plan.attn_mask,
             past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache},
         ).logits[:, -1]
-        cache.commit([len(c) for c in chunks])
+        cache.commit(chunk_lengths)
         self.stats.forwards += 1
         return logits
 
