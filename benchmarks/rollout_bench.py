@@ -51,6 +51,7 @@ from slime_sparse.kv import METHODS, KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Config-built models (random weights). smollm2-135m is SmolLM2-135M's architecture (a Llama).
 PRESETS: dict[str, tuple[str, dict]] = {
@@ -124,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 by default: steady on a CPU shared with other jobs)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="cpu = this process's CPU time: steadier than wall time on a machine shared with other jobs "
+                        "(with --threads 1; meaningless on GPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.rows and (args.suite or args.quick):
@@ -246,13 +250,13 @@ def hf_engine(model, device: str) -> Callable[[list[list[int]], int], Result]:
     def run(prompts: list[list[int]], n_new: int) -> Result:
         ids = torch.tensor(prompts, device=device)
         sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
                                  top_p=1.0, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0,
                                  return_dict_in_generate=True)
         sync(device)
-        seconds = time.perf_counter() - t0
+        seconds = CLOCK() - t0
         p = ids.shape[1]
         kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
         read = len(prompts) * sum(p + t for t in range(n_new))
@@ -274,10 +278,10 @@ def our_engine(engine_cls, params_cls, model, kv, args, batch: int) -> Callable[
         params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
         COMPRESS_TIMER["s"] = 0.0
         sync(args.device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         outs = engine.generate(prompts, params, seed=args.seed)
         sync(args.device)
-        seconds = time.perf_counter() - t0
+        seconds = CLOCK() - t0
         assert all(len(o.response_ids) == n_new for o in outs)
         stats = getattr(engine, "last_stats", None)
         return Result(seconds, engine.last_kv_cache_bytes, sum(o.kv.kept_kv_tokens for o in outs),
@@ -288,6 +292,7 @@ def our_engine(engine_cls, params_cls, model, kv, args, batch: int) -> Callable[
 
 COMPRESS_METHODS = ("_compress", "_compress_rows")  # what compresses, in the engines of any commit we compare
 COMPRESS_TIMER = {"s": 0.0}  # engines run one at a time: one timer, reset by each call
+CLOCK = time.perf_counter  # main() sets --clock
 
 
 def _timed(fn, device: str):
@@ -295,10 +300,10 @@ def _timed(fn, device: str):
 
     def wrapper(*a, **k):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         out = fn(*a, **k)
         sync(device)
-        timer["s"] += time.perf_counter() - t0
+        timer["s"] += CLOCK() - t0
         return out
     wrapper.__wrapped__ = fn
     return wrapper
@@ -383,6 +388,8 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
 
 def main(argv: list[str] | None = None) -> list[str]:
     args = parse_args(argv)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     before = load_before(args.before) if args.before else None
     try:
@@ -394,7 +401,7 @@ def main(argv: list[str] | None = None) -> list[str]:
               f"transformers {transformers.__version__}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); "
               f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; before = {args.before or '-'}; "
               f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
-              f"buffer {args.buffer}, window {args.window}")
+              f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
         print(HEADER)
         lines = []
         for row in args.rows:

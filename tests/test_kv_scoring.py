@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slime_sparse.kv import KVCompressConfig, compress_indices, score_layer
+from slime_sparse.kv.scoring import newest_duplicate
 
 # --------------------------------------------------------------------------------------------------------------
 # Independent reference (lists of python floats)
@@ -209,6 +210,15 @@ def test_rkv_newest_near_duplicate_survives():
     cfg = KVCompressConfig(method="rkv", budget=n - 2, window=window, mix_lambda=0.1, kernel_size=1)
     kept = compress_indices(cfg, [keys], [queries])[0][0].tolist()
     assert 7 in kept and 1 not in kept and 4 not in kept
+
+
+def test_newest_duplicate_is_the_last_slot_over_threshold_else_zero():
+    sim = torch.rand(3, 40, 40, generator=torch.Generator().manual_seed(0))
+    sim[0, 5] = 0.0  # a row without near-duplicate: R-KV's fallback index 0
+    sim[1, 6] = 0.0
+    sim[1, 6, 0] = 0.9  # the only near-duplicate is slot 0
+    expected = [[max((j for j in range(40) if sim[h, i, j] > 0.7), default=0) for i in range(40)] for h in range(3)]
+    assert newest_duplicate(sim, 0.7).tolist() == expected
 
 
 # --------------------------------------------------------------------------------------------------------------
