@@ -17,7 +17,7 @@ tokens saved by sharing a prompt's prefill across its n samples, and whether `af
     python benchmarks/rollout_bench.py --quick --before 8401d90        # ~3 min on an idle 2-core machine
     python benchmarks/rollout_bench.py --before 8401d90                # the table of benchmarks/README.md
     python benchmarks/rollout_bench.py --rows smollm2-135m:8:128:256 --model smollm2-135m=/path/to/hf_dir
-    python benchmarks/rollout_bench.py --device cuda --dtype bf16 --rows qwen2-19m:64:128:1024 qwen2-19m:64:128:4096
+    python benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --rows qwen2-19m:64:128:1024 qwen2-19m:64:128:4096
 
 A row is MODEL:BATCH:PROMPT:NEW[:N]: BATCH sequences = BATCH / N distinct prompts x N samples (GRPO groups).
 MODEL is a preset (config-built, random weights: timings do not depend on weight values) or NAME=DIR for a local
@@ -52,7 +52,8 @@ from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 
 CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
 # Config-built models (random weights). smollm2-135m is SmolLM2-135M's architecture (a Llama).
 PRESETS: dict[str, tuple[str, dict]] = {
     "tiny": ("qwen2", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -197,10 +198,10 @@ def measure_bandwidth(device: str, mib: int = 256) -> float:
     best = float("inf")
     for _ in range(6):
         sync(device)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         dst.copy_(src)
         sync(device)
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, CLOCK() - t0)
     return 2 * src.nbytes / best
 
 

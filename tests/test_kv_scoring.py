@@ -213,12 +213,19 @@ def test_rkv_newest_near_duplicate_survives():
 
 
 def test_newest_duplicate_is_the_last_slot_over_threshold_else_zero():
-    sim = torch.rand(3, 40, 40, generator=torch.Generator().manual_seed(0))
-    sim[0, 5] = 0.0  # a row without near-duplicate: R-KV's fallback index 0
-    sim[1, 6] = 0.0
-    sim[1, 6, 0] = 0.9  # the only near-duplicate is slot 0
-    expected = [[max((j for j in range(40) if sim[h, i, j] > 0.7), default=0) for i in range(40)] for h in range(3)]
-    assert newest_duplicate(sim, 0.7).tolist() == expected
+    """Against a loop over every row: the largest j with sim > threshold (strictly), else R-KV's fallback 0."""
+    sim = torch.rand(2, 3, 40, 40, generator=torch.Generator().manual_seed(0))  # leading dims: [layers, heads]
+    sim[0, 0, 5] = 0.0  # a row without near-duplicate: R-KV's fallback index 0
+    sim[0, 1, 6] = 0.0
+    sim[0, 1, 6, 0] = 0.9  # the only near-duplicate is slot 0
+    sim[1, 2, 7] = 0.0
+    sim[1, 2, 7, [3, 39]] = 0.7  # equal to the threshold: not a near-duplicate (R-KV compares with >)
+    sim[1, 2, 7, 20] = 0.71
+    expected = [[[max((j for j in range(40) if sim[a, h, i, j] > 0.7), default=0) for i in range(40)]
+                 for h in range(3)] for a in range(2)]
+    got = newest_duplicate(sim, 0.7)
+    assert got.dtype == torch.long and got.tolist() == expected
+    assert got[1, 2, 7] == 20 and got[0, 0, 5] == 0 and got[0, 1, 6] == 0
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""The benchmark scripts run end to end in their CI-sized mode (nothing is timed here: only what the tables
+report besides time is checked)."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="--before extracts a commit with git")
+def test_rollout_bench_ci_rows():
+    bench = load("rollout_bench")
+    lines = bench.main(["--suite", "ci", "--before", "HEAD", "--repeats", "1"])
+    rows = [dict(zip(cells(bench.HEADER.splitlines()[0]), cells(line))) for line in lines]
+    # 2 rows x (hf + before/after x {dense, rkv B=16})
+    assert [(r["batch"], r["engine"], r["KV"]) for r in rows] == [
+        (b, e, kv) for b in ("4", "2x2") for e, kv in
+        [("hf", "dense"), ("before", "dense"), ("after", "dense"), ("before", "rkv B=16"), ("after", "rkv B=16")]]
+    for r in rows:
+        assert float(r["tok/s"]) > 0 and 0 < float(r["roofline %"])
+        if r["engine"] == "after":  # HEAD against itself, same seed: the same tokens, prefill shared or not
+            assert r["= before"] == "yes"
+        if r["engine"] != "hf":
+            assert float(r["x hf"]) > 0
+    dense = {(r["batch"], r["engine"]): float(r["peak KV MiB"]) for r in rows if r["KV"] == "dense"}
+    for r in rows:
+        if r["KV"] != "dense":
+            assert float(r["peak KV MiB"]) < dense[(r["batch"], r["engine"])]
+            assert 0 <= float(r["compress %"]) < 100
+    saved = {(r["batch"], r["engine"]): r["prefill saved"] for r in rows}
+    # only this checkout's engine shares prefill, and only across the 2 samples of a prompt: 2 prompts x 24 tokens
+    # (HEAD is this checkout here, so before shares too)
+    assert saved[("4", "after")] == "0" and saved[("2x2", "after")] == "48" and saved[("2x2", "before")] == "48"
+
+
+def test_rollout_bench_rejects_bad_rows():
+    bench = load("rollout_bench")
+    with pytest.raises(SystemExit, match="MODEL:BATCH:PROMPT:NEW"):
+        bench.parse_args(["--rows", "tiny:4:x:40"])
+    with pytest.raises(SystemExit, match="N must divide BATCH"):
+        bench.parse_args(["--rows", "tiny:4:24:40:3"])
