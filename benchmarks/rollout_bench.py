@@ -155,20 +155,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------------------------
 # Models, prompts, machine
 # ---------------------------------------------------------------------------------------------------------------
-def build_model(name: str, args: argparse.Namespace, context: int) -> torch.nn.Module:
+def build_model(name: str, context: int, *, dtype: str = "fp32", device: str = "cpu", seed: int = 0,
+                model_dirs: dict[str, str] | None = None) -> torch.nn.Module:
+    """A preset built from its config (random weights, seeded) or a local HF directory of `model_dirs`."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    dtype = DTYPES[args.dtype]
-    if name in args.model_dirs:
-        model = AutoModelForCausalLM.from_pretrained(args.model_dirs[name], dtype=dtype)
+    if model_dirs and name in model_dirs:
+        model = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=DTYPES[dtype])
     else:
         arch, shape = PRESETS[name]
         config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
-        torch.manual_seed(args.seed)
+        torch.manual_seed(seed)
         model = model_cls(config_cls(**shape, max_position_embeddings=context, tie_word_embeddings=True))
     if model.config.max_position_embeddings < context:
         raise SystemExit(f"{name}: context {model.config.max_position_embeddings} < prompt + new tokens = {context}")
-    return model.to(device=args.device, dtype=dtype).eval()
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -363,7 +364,8 @@ def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before
 
 
 def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> list[str]:
-    model = build_model(row.model, args, row.prompt_len + row.new_tokens + 1)
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
     prompts = make_prompts(row, model.config.vocab_size, args.seed)
     engines = engines_for(row, model, args, before)
     for eng in engines:  # warm-up: one-off costs (allocator, lazy imports, first kernels) stay out of the timings

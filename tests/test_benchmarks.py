@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -56,3 +57,32 @@ def test_rollout_bench_rejects_bad_rows():
         bench.parse_args(["--rows", "tiny:4:x:40"])
     with pytest.raises(SystemExit, match="N must divide BATCH"):
         bench.parse_args(["--rows", "tiny:4:24:40:3"])
+
+
+def test_learner_bench_ci_row():
+    bench = load("learner_bench")
+    corr, ref = bench.main(["--suite", "ci", "--repeats", "1"])
+    assert len(corr) == 1 and len(ref) == 1
+    row = dict(zip(cells(bench.CORRECTION_HEADER.splitlines()[0]), cells(corr[0])))
+    assert (row["model"], row["batch"], row["correction"]) == ("tiny", "8", "mis")
+    # responses are drawn in [R/2, R] = [12, 24]
+    assert 12 <= float(row["mean response"]) <= 24
+    for key in ("plain GRPO s/step", "Sparse-RL s/step", "correction + metrics ms"):
+        assert float(row[key]) > 0
+    ref_row = cells(ref[0])
+    assert ref_row[:3] == ["tiny", "8", "16"] and float(ref_row[3]) > 0 and float(ref_row[4]) > 0
+
+
+def test_learner_bench_makes_samples_the_correction_acts_on():
+    """The synthetic rollout exercises the correction: some tokens rejected, weights not all 1."""
+    bench = load("learner_bench")
+    from slime_sparse import pipeline
+    from slime_sparse.algo import CorrectionConfig, LossConfig
+
+    row = bench.RowSpec.parse("tiny:8:16:24")
+    model = bench.build_model("tiny", 41, seed=0)
+    learner = bench.learner_for(model, bench.parse_args(["--suite", "ci"]), LossConfig())
+    prepared = pipeline.prepare_rollout(bench.make_samples(row, 512, 0), learner, CorrectionConfig.from_preset("mis"))
+    masks = torch.cat(prepared.batch.loss_masks)
+    weights = torch.cat(prepared.batch.weights)
+    assert 0 < masks.sum() < masks.numel() and weights.std() > 0
