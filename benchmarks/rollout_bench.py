@@ -1,86 +1,189 @@
-"""Rollout throughput and KV memory of the embedded engine, dense and compressed, against HF generate().
+"""Rollout throughput of the embedded engine against HF generate() (and the engine of an older commit), one process.
 
-A Qwen2 model is built from a config with random weights (nothing downloaded); every row decodes the same
-batch of random prompts for exactly N new tokens (EOS ignored), so all rows do the same amount of work.
-Rows: HF generate() (dense, DynamicCache) as the baseline, our engine dense, and our engine with each
-method at each budget. Columns: tokens/s and its ratio to the baseline, peak KV bytes (HF: the final dense
-cache; ours: the preallocated cache, which is never exceeded) and its ratio, and KV token savings
-(1 - kept / dense KV tokens summed over decode steps).
+Each row decodes one batch of random prompts for exactly N new tokens (EOS ignored, so every engine does the
+same work) with each engine in turn, interleaved: hf, before, after, hf, before, after, ... and reports medians.
+Engines: `hf` = transformers' generate() (dense DynamicCache, multinomial sampling), `after` = this checkout's
+EmbeddedEngine, `before` = the EmbeddedEngine of commit --before (extracted from git into a temporary package and
+imported beside ours, so both run on the same model object under the same load). Every engine runs dense; ours
+also under each --methods x --budgets compression that the row's length reaches.
 
-    python benchmarks/rollout_bench.py                       # CPU-sized defaults, a few minutes
-    python benchmarks/rollout_bench.py --lengths 256 1024 4096 --device cuda --dtype bf16 --batch-size 64
+Columns: tokens/s (new tokens of the batch / wall time of the call), its ratio to hf and to before (same row,
+same KV config), peak KV memory (hf: its final cache; ours: the preallocated cache, never exceeded), compression
+time as a share of the call, the roofline fraction (time the call would take if every forward only read the
+weights and the KV it held once, at the copy bandwidth measured at start, over the measured time), prefill
+tokens saved by sharing a prompt's prefill across its n samples, and whether `after` drew the same tokens as
+`before` (same seed).
+
+    python benchmarks/rollout_bench.py --quick --before 8401d90        # ~3 min on an idle 2-core machine
+    python benchmarks/rollout_bench.py --before 8401d90                # the table of benchmarks/README.md
+    python benchmarks/rollout_bench.py --rows smollm2-135m:8:128:256 --model smollm2-135m=/path/to/hf_dir
+    python benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --rows qwen2-19m:64:128:1024 qwen2-19m:64:128:4096
+
+A row is MODEL:BATCH:PROMPT:NEW[:N]: BATCH sequences = BATCH / N distinct prompts x N samples (GRPO groups).
+MODEL is a preset (config-built, random weights: timings do not depend on weight values) or NAME=DIR for a local
+HF directory (e.g. SmolLM2-135M-Instruct built by #14's `tools/gguf_to_hf.py`), then used as NAME in rows.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Callable
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from slime_sparse.kv import METHODS, KVCompressConfig
-from slime_sparse.rollout import SamplingParams
-from slime_sparse.rollout.embedded import EmbeddedEngine
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # `python benchmarks/rollout_bench.py` from a checkout
+    sys.path.insert(0, str(REPO))
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from slime_sparse.kv import METHODS, KVCompressConfig  # noqa: E402
+from slime_sparse.rollout import SamplingParams  # noqa: E402
+from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+# Config-built models (random weights). smollm2-135m is SmolLM2-135M's architecture (a Llama).
+PRESETS: dict[str, tuple[str, dict]] = {
+    "tiny": ("qwen2", dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2-19m": ("qwen2", dict(vocab_size=16384, hidden_size=384, intermediate_size=1024, num_hidden_layers=8,
+                                num_attention_heads=6, num_key_value_heads=2)),
+    "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                   num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)),
+}
+# Each suite fits the time budget written next to it on an idle 2-core machine (1 thread, fp32).
+SUITES: dict[str, list[str]] = {
+    "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
+    "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
+    "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
+             "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],
+}
+SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128)}  # (budgets, buffer) of each suite
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    model: str
+    batch: int
+    prompt_len: int
+    new_tokens: int
+    n_samples: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "RowSpec":
+        parts = text.split(":")
+        try:
+            model, *nums = parts
+            spec = cls(model, *(int(x) for x in nums))
+        except (TypeError, ValueError):
+            raise SystemExit(f"--rows {text!r}: expected MODEL:BATCH:PROMPT:NEW[:N] with integers") from None
+        if min(spec.batch, spec.prompt_len, spec.new_tokens, spec.n_samples) < 1 or spec.batch % spec.n_samples:
+            raise SystemExit(f"--rows {text!r}: sizes must be >= 1 and N must divide BATCH")
+        return spec
 
 
 @dataclass
-class Row:
-    length: int
-    engine: str
-    method: str
-    budget: str
-    tokens_per_s: float
+class Result:
+    """One engine call."""
+
+    seconds: float
     kv_bytes: int
-    savings: float
+    kv_read_tokens: int  # KV slots read over all forwards (sum over samples of the slots each token's forward saw)
+    forwards: int
+    compress_s: float = 0.0
+    prefill_saved: int = 0
+    tokens: list[list[int]] = field(default_factory=list)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024], help="new tokens per sequence")
-    p.add_argument("--methods", nargs="+", default=["rkv", "snapkv", "streaming", "h2o"],
-                   choices=[m for m in METHODS if m != "none"])
-    p.add_argument("--budgets", type=int, nargs="+", default=[128, 256, 512])
-    p.add_argument("--buffer", type=int, default=128)
+    p.add_argument("--quick", action="store_true", help="the quick suite (see SUITES)")
+    p.add_argument("--suite", choices=sorted(SUITES), default=None, help="a named set of rows (default: full)")
+    p.add_argument("--rows", nargs="+", default=None, help="MODEL:BATCH:PROMPT:NEW[:N] rows instead of a suite")
+    p.add_argument("--model", action="append", default=[], metavar="NAME=DIR", help="a local HF directory as NAME")
+    p.add_argument("--before", default=None, metavar="REV", help="also time the engine of this git commit")
+    p.add_argument("--methods", nargs="*", default=["rkv"], choices=[m for m in METHODS if m != "none"])
+    p.add_argument("--budgets", type=int, nargs="+", default=None, help="KV budgets (default: the suite's)")
+    p.add_argument("--buffer", type=int, default=None, help="KV buffer (default: the suite's)")
     p.add_argument("--window", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per row (medians reported)")
+    p.add_argument("--long-repeats", type=int, default=1, help="repetitions for rows of >= 2048 new tokens")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    p.add_argument("--max-kv-gib", type=float, default=3.0, help="skip a dense engine whose KV would exceed this")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="cpu = this process's CPU time: steadier than wall time on a CPU shared with other jobs "
-                        "(use with --threads 1; meaningless on GPU)")
-    p.add_argument("--repeats", type=int, default=1, help="time each row this many times and keep the fastest")
-    p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
-    # model shape: the defaults give ~19M parameters
-    p.add_argument("--vocab", type=int, default=16384)
-    p.add_argument("--hidden", type=int, default=384)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--heads", type=int, default=6)
-    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (1 by default: steady on a CPU shared with other jobs)")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="cpu = this process's CPU time: steadier than wall time on a machine shared with other jobs "
+                        "(with --threads 1; meaningless on GPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("batch_size", "prompt_len", "buffer", "window", "layers", "heads", "kv_heads", "hidden", "repeats"):
+    if args.rows and (args.suite or args.quick):
+        p.error("give either --rows or a suite (--suite / --quick)")
+    suite = "quick" if args.quick else (args.suite or "full")
+    args.rows = [RowSpec.parse(r) for r in (args.rows or SUITES[suite])]
+    args.budgets = args.budgets or SUITE_KV[suite][0]
+    args.buffer = args.buffer or SUITE_KV[suite][1]
+    args.model_dirs = {}
+    for item in args.model:
+        name, sep, path = item.partition("=")
+        if not sep or not os.path.isdir(path):
+            p.error(f"--model {item!r}: expected NAME=DIR with an existing local HF directory")
+        args.model_dirs[name] = path
+    unknown = sorted({r.model for r in args.rows} - set(PRESETS) - set(args.model_dirs))
+    if unknown:
+        p.error(f"unknown model(s) {unknown}: presets are {sorted(PRESETS)}, or pass --model NAME=DIR")
+    for name in ("repeats", "long_repeats", "buffer", "window", "threads"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if min(args.lengths) < 1 or min(args.budgets) < 1:
-        p.error("--lengths and --budgets must be >= 1")
     return args
 
 
-def build_model(args: argparse.Namespace) -> Qwen2ForCausalLM:
-    config = Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.prompt_len + max(args.lengths) + 1, tie_word_embeddings=True,
-    )
-    torch.manual_seed(args.seed)
-    return Qwen2ForCausalLM(config).to(device=args.device, dtype=DTYPES[args.dtype]).eval()
+# ---------------------------------------------------------------------------------------------------------------
+# Models, prompts, machine
+# ---------------------------------------------------------------------------------------------------------------
+def build_model(name: str, context: int, *, dtype: str = "fp32", device: str = "cpu", seed: int = 0,
+                model_dirs: dict[str, str] | None = None) -> torch.nn.Module:
+    """A preset built from its config (random weights, seeded) or a local HF directory of `model_dirs`."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if model_dirs and name in model_dirs:
+        model = AutoModelForCausalLM.from_pretrained(model_dirs[name], dtype=DTYPES[dtype])
+    else:
+        arch, shape = PRESETS[name]
+        config_cls, model_cls = (Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2" else (LlamaConfig, LlamaForCausalLM)
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**shape, max_position_embeddings=context, tie_word_embeddings=True))
+    if model.config.max_position_embeddings < context:
+        raise SystemExit(f"{name}: context {model.config.max_position_embeddings} < prompt + new tokens = {context}")
+    return model.to(device=device, dtype=DTYPES[dtype]).eval()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct weight tensors (a tied LM head counted once): what each forward reads."""
+    seen: dict[int, int] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * next(model.parameters()).element_size()
 
 
 def sync(device: str) -> None:
@@ -88,104 +191,229 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+def measure_bandwidth(device: str, mib: int = 256) -> float:
+    """Bytes/s of a large tensor copy, counting read + write (best of 5): the memory bandwidth a decode step
+    streaming weights and KV can hope for."""
+    src = torch.ones(mib << 18, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        t0 = CLOCK()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, CLOCK() - t0)
+    return 2 * src.nbytes / best
 
 
-def hf_generate(model, prompts: torch.Tensor, n_new: int, device: str, clock: Callable[[], float]) -> tuple[float, int]:
-    """(seconds, bytes of the final dense KV cache) of transformers' sampling generate()."""
-    ids = prompts.to(device)
-    sync(device)
-    t0 = clock()
-    with torch.inference_mode():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0, return_dict_in_generate=True,
-        )
-    sync(device)
-    seconds = clock() - t0
-    assert out.sequences.shape[1] == ids.shape[1] + n_new
-    cache = out.past_key_values
-    kv_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    return seconds, kv_bytes
+def make_prompts(row: RowSpec, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    distinct = torch.randint(0, vocab, (row.batch // row.n_samples, row.prompt_len), generator=g).tolist()
+    return [p for p in distinct for _ in range(row.n_samples)]  # GRPO layout: n consecutive samples per prompt
 
 
-def ours(
-    engine: EmbeddedEngine, prompts: list[list[int]], n_new: int, device: str, seed: int, clock: Callable[[], float]
-) -> tuple[float, int, float]:
-    """(seconds, KV bytes allocated, KV token savings) of one engine.generate()."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
-    sync(device)
-    t0 = clock()
-    outs = engine.generate(prompts, params, seed=seed)
-    sync(device)
-    seconds = clock() - t0
-    assert all(len(o.response_ids) == n_new for o in outs)
-    kept = sum(o.kv.kept_kv_tokens for o in outs)
-    dense = sum(o.kv.dense_kv_tokens for o in outs)
-    return seconds, engine.last_kv_cache_bytes, 1.0 - kept / dense
+# ---------------------------------------------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------------------------------------------
+def load_before(rev: str) -> ModuleType:
+    """The `slime_sparse` package of commit `rev`, importable as `slime_sparse_before` (every occurrence of the
+    name is rewritten, so its modules import each other and register their own attention function)."""
+    tmp = Path(tempfile.mkdtemp(prefix="rollout_bench_"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", rev, "slime_sparse"],
+                             capture_output=True, check=False)
+    if archive.returncode:
+        raise SystemExit(f"--before {rev}: git archive failed: {archive.stderr.decode().strip()}")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tmp, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    pkg = tmp / "slime_sparse_before"
+    (tmp / "slime_sparse").rename(pkg)
+    for path in pkg.rglob("*.py"):
+        path.write_text(path.read_text().replace("slime_sparse", "slime_sparse_before"))
+    sys.path.insert(0, str(tmp))
+    module = importlib.import_module("slime_sparse_before")
+    module.__bench_tmp__ = tmp
+    return module
 
 
-def run(args: argparse.Namespace) -> list[Row]:
-    clock = CLOCKS[args.clock]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = build_model(args)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"# Qwen2 {n_params / 1e6:.1f}M params ({args.layers} layers, hidden {args.hidden}, {args.heads} q / "
-          f"{args.kv_heads} kv heads), batch {args.batch_size}, prompt {args.prompt_len}, {args.device} {args.dtype}, "
-          f"{torch.get_num_threads()} threads, buffer {args.buffer}, window {args.window}, {args.clock} clock, "
-          f"best of {args.repeats}")
-    print(HEADER)
-    g = torch.Generator().manual_seed(args.seed)
-    prompt_t = torch.randint(0, args.vocab, (args.batch_size, args.prompt_len), generator=g)
-    prompts = prompt_t.tolist()
+@dataclass
+class Engine:
+    """One column of a row: a label, its KV config, and how to run it."""
 
-    engines = {("none", 0): EmbeddedEngine(model, KVCompressConfig(method="none"), max_batch_size=args.batch_size,
-                                           device=args.device)}
+    label: str  # hf | before | after
+    kv: KVCompressConfig
+    run: Callable[[list[list[int]], int], Result]
+
+    @property
+    def kv_name(self) -> str:
+        return "dense" if not self.kv.enabled else f"{self.kv.method} B={self.kv.budget}"
+
+
+def hf_engine(model, device: str) -> Callable[[list[list[int]], int], Result]:
+    def run(prompts: list[list[int]], n_new: int) -> Result:
+        ids = torch.tensor(prompts, device=device)
+        sync(device)
+        t0 = CLOCK()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                                 top_p=1.0, max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0,
+                                 return_dict_in_generate=True)
+        sync(device)
+        seconds = CLOCK() - t0
+        p = ids.shape[1]
+        kv = sum(layer.keys.nbytes + layer.values.nbytes for layer in out.past_key_values.layers)
+        read = len(prompts) * sum(p + t for t in range(n_new))
+        return Result(seconds, kv, read, n_new, tokens=out.sequences[:, p:].tolist())
+    return run
+
+
+def our_engine(engine_cls, params_cls, model, kv, args, batch: int) -> Callable[[list[list[int]], int], Result]:
+    """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping the method(s)
+    that compress (with a device sync, so the time is the compression's own on GPU too)."""
+    engine = engine_cls(model, kv, max_batch_size=batch, device=args.device)
+    module = sys.modules[engine_cls.__module__]
+    for cls in (getattr(module, "_Run", None), engine_cls):
+        for name in COMPRESS_METHODS:
+            if cls is not None and name in vars(cls) and not hasattr(vars(cls)[name], "__wrapped__"):
+                setattr(cls, name, _timed(vars(cls)[name], args.device))
+
+    def run(prompts: list[list[int]], n_new: int) -> Result:
+        params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
+        COMPRESS_TIMER["s"] = 0.0
+        sync(args.device)
+        t0 = CLOCK()
+        outs = engine.generate(prompts, params, seed=args.seed)
+        sync(args.device)
+        seconds = CLOCK() - t0
+        assert all(len(o.response_ids) == n_new for o in outs)
+        stats = getattr(engine, "last_stats", None)
+        return Result(seconds, engine.last_kv_cache_bytes, sum(o.kv.kept_kv_tokens for o in outs),
+                      stats.forwards if stats else n_new, COMPRESS_TIMER["s"],
+                      stats.prefill_tokens_saved if stats else 0, [o.response_ids for o in outs])
+    return run
+
+
+COMPRESS_METHODS = ("_compress", "_compress_rows")  # what compresses, in the engines of any commit we compare
+COMPRESS_TIMER = {"s": 0.0}  # engines run one at a time: one timer, reset by each call
+CLOCK = time.perf_counter  # main() sets --clock
+
+
+def _timed(fn, device: str):
+    timer = COMPRESS_TIMER
+
+    def wrapper(*a, **k):
+        sync(device)
+        t0 = CLOCK()
+        out = fn(*a, **k)
+        sync(device)
+        timer["s"] += CLOCK() - t0
+        return out
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[Engine]:
+    dense_kv = kv_bytes_per_token(model) * row.batch * (row.prompt_len + row.new_tokens)
+    dense_ok = dense_kv <= args.max_kv_gib * 2**30
+    if not dense_ok:
+        print(f"# {row}: dense engines skipped (dense KV {dense_kv / 2**30:.1f} GiB > --max-kv-gib)")
+    kvs = [KVCompressConfig()] if dense_ok else []
     for method in args.methods:
         for budget in args.budgets:
-            kv = KVCompressConfig(method=method, budget=budget, buffer=args.buffer, window=args.window)
-            engines[(method, budget)] = EmbeddedEngine(model, kv, max_batch_size=args.batch_size, device=args.device)
+            if budget + args.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
+                kvs.append(KVCompressConfig(method=method, budget=budget, buffer=args.buffer, window=args.window))
+    out = [Engine("hf", KVCompressConfig(), hf_engine(model, args.device))] if dense_ok and not args.no_hf else []
+    for kv in kvs:
+        if before is not None:
+            from slime_sparse_before.kv import KVCompressConfig as BeforeKV
+            from slime_sparse_before.rollout import SamplingParams as BeforeParams
+            from slime_sparse_before.rollout.embedded import EmbeddedEngine as BeforeEngine
 
-    # warm-up: first calls pay one-off costs (allocator, kernels, lazy imports)
-    ours(engines[("none", 0)], prompts, 8, args.device, args.seed, clock)
-    if not args.no_hf:
-        hf_generate(model, prompt_t, 8, args.device, clock)
-
-    rows: list[Row] = []
-    for n_new in args.lengths:
-        tokens = args.batch_size * n_new
-        if not args.no_hf:
-            seconds, kv_bytes = min(hf_generate(model, prompt_t, n_new, args.device, clock) for _ in range(args.repeats))
-            rows.append(Row(n_new, "hf-generate", "none", "-", tokens / seconds, kv_bytes, 0.0))
-            print_row(rows[-1], rows[-1])
-        base = None if args.no_hf else rows[-1]
-        for (method, budget), engine in engines.items():
-            if method != "none" and budget + args.buffer >= args.prompt_len + n_new:
-                continue  # the cache would never fill: identical to dense
-            seconds, kv_bytes, savings = min(
-                ours(engine, prompts, n_new, args.device, args.seed, clock) for _ in range(args.repeats)
-            )
-            label = str(budget) if budget else "-"
-            rows.append(Row(n_new, "embedded", method, label, tokens / seconds, kv_bytes, savings))
-            base = base or rows[-1]
-            print_row(rows[-1], base)
-    return rows
+            before_kv = BeforeKV(**{k: getattr(kv, k) for k in kv.__dataclass_fields__})
+            out.append(Engine("before", kv, our_engine(BeforeEngine, BeforeParams, model, before_kv, args, row.batch)))
+        out.append(Engine("after", kv, our_engine(EmbeddedEngine, SamplingParams, model, kv, args, row.batch)))
+    return out
 
 
-HEADER = ("| new tokens | engine | method | budget | tokens/s | x HF | peak KV MiB | x HF | KV token savings |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+# ---------------------------------------------------------------------------------------------------------------
+# Table
+# ---------------------------------------------------------------------------------------------------------------
+HEADER = ("| model | batch | prompt | new | engine | KV | tok/s | x hf | x before | peak KV MiB | compress % "
+          "| roofline % | prefill saved | = before |\n" + "|---" * 14 + "|")
 
 
-def print_row(row: Row, base: Row) -> None:
-    """One markdown row; ratios are against `base` (the HF row of the same length, else our dense row)."""
-    print(f"| {row.length} | {row.engine} | {row.method} | {row.budget} | {row.tokens_per_s:.1f} | "
-          f"{row.tokens_per_s / base.tokens_per_s:.2f} | {row.kv_bytes / 2**20:.1f} | "
-          f"{row.kv_bytes / base.kv_bytes:.2f} | {row.savings:.1%} |", flush=True)
+def median_result(results: list[Result]) -> Result:
+    mid = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
+    return Result(statistics.median(r.seconds for r in results), mid.kv_bytes, mid.kv_read_tokens, mid.forwards,
+                  statistics.median(r.compress_s for r in results), mid.prefill_saved, mid.tokens)
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(parse_args(argv))
+def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before: Result | None,
+               roofline_s: float) -> str:
+    tps = row.batch * row.new_tokens / res.seconds
+    ratio = lambda base: "-" if base is None or base is res else f"{base.seconds / res.seconds:.2f}"  # noqa: E731
+    same = "-"
+    if before is not None and eng.label == "after":
+        differ = sum(a != b for a, b in zip(res.tokens, before.tokens))
+        same = "yes" if differ == 0 else f"no ({differ}/{len(res.tokens)} differ)"
+    batch = f"{row.batch // row.n_samples}x{row.n_samples}" if row.n_samples > 1 else str(row.batch)
+    compress = f"{100 * res.compress_s / res.seconds:.1f}" if eng.kv.enabled else "-"
+    saved = str(res.prefill_saved) if eng.label != "hf" else "-"
+    return (f"| {row.model} | {batch} | {row.prompt_len} | {row.new_tokens} | {eng.label} | {eng.kv_name} | "
+            f"{tps:.1f} | {ratio(hf)} | {ratio(before)} | {res.kv_bytes / 2**20:.1f} | {compress} | "
+            f"{100 * roofline_s / res.seconds:.1f} | {saved} | {same} |")
+
+
+def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> list[str]:
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
+    prompts = make_prompts(row, model.config.vocab_size, args.seed)
+    engines = engines_for(row, model, args, before)
+    for eng in engines:  # warm-up: one-off costs (allocator, lazy imports, first kernels) stay out of the timings
+        eng.run(prompts, 4)
+    repeats = args.long_repeats if row.new_tokens >= 2048 else args.repeats
+    results: list[list[Result]] = [[] for _ in engines]
+    for _ in range(repeats):  # interleaved: every engine sees the same share of the machine's load
+        for i, eng in enumerate(engines):
+            results[i].append(eng.run(prompts, row.new_tokens))
+    med = [median_result(r) for r in results]
+    w_bytes, kv_token = weight_bytes(model), kv_bytes_per_token(model)
+    lines = []
+    hf = next((m for e, m in zip(engines, med) if e.label == "hf"), None)  # every row is compared to dense hf
+    for eng, res in zip(engines, med):
+        before_res = next((m for e, m in zip(engines, med) if e.label == "before" and e.kv == eng.kv), None) \
+            if eng.label == "after" else None
+        roofline_s = (res.forwards * w_bytes + res.kv_read_tokens * kv_token) / bandwidth
+        lines.append(format_row(row, eng, res, hf, before_res, roofline_s))
+        print(lines[-1], flush=True)
+    del model, engines
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    args = parse_args(argv)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
+    torch.set_num_threads(args.threads)
+    before = load_before(args.before) if args.before else None
+    try:
+        bandwidth = measure_bandwidth(args.device)
+        load = os.getloadavg()
+        import transformers
+
+        print(f"# device {args.device} {args.dtype}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
+              f"transformers {transformers.__version__}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); "
+              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; before = {args.before or '-'}; "
+              f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
+              f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
+        print(HEADER)
+        lines = []
+        for row in args.rows:
+            lines += run_row(row, args, before, bandwidth)
+        print(f"# load average at the end {os.getloadavg()[0]:.1f}")
+        return lines
+    finally:
+        if before is not None:
+            shutil.rmtree(before.__bench_tmp__, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ def build_learner(spec: LearnerSpec):
 
     model = load_model(train.hf_checkpoint, device=resolve_device(train.device), bf16=train.bf16)
     return EmbeddedLearner(model, spec.loss, optim=spec.optim, batching=spec.batching, temperature=spec.temperature,
-                           need_ref=spec.loss.use_kl_loss)
+                           need_ref=spec.loss.needs_ref)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     t1 = time.perf_counter()
     prepared = prepare_rollout(
         samples, components.learner, cfg.correction,
-        normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.use_kl_loss,
+        normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
     )
     t_recompute = time.perf_counter() - t1
     metrics.update(prepared.metrics)

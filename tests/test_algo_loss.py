@@ -308,3 +308,18 @@ def test_missing_inputs_rejected():
         policy_loss(x, x, torch.ones(2), torch.ones(1, 2), LossConfig())
     with pytest.raises(ValueError, match="weights"):
         policy_loss(x, x, torch.ones(1), torch.ones(1, 2), LossConfig(), weights=torch.ones(2, 2))
+
+
+def test_kl_at_coefficient_zero_needs_no_reference():
+    """--use-kl-loss --kl-loss-coef 0 (slime's GRPO scripts): the same loss without pi_ref; given one, KL is logged."""
+    g = torch.Generator().manual_seed(3)
+    logp = -torch.rand(3, 5, generator=g)
+    old, ref = logp - 0.1 * torch.rand(3, 5, generator=g), logp + 0.2
+    adv, mask = torch.tensor([1.0, -0.5, 0.3]), torch.ones(3, 5)
+    zero = LossConfig(use_kl_loss=True, kl_loss_coef=0.0)
+    assert not zero.needs_ref and LossConfig(use_kl_loss=True, kl_loss_coef=1e-3).needs_ref
+    plain, plain_metrics = policy_loss(logp, old, adv, mask, LossConfig())
+    without, metrics = policy_loss(logp, old, adv, mask, zero)
+    with_ref, logged = policy_loss(logp, old, adv, mask, zero, logp_ref=ref)
+    assert torch.equal(without, plain) and torch.equal(with_ref, plain)
+    assert metrics["kl_loss"] == 0.0 and logged["kl_loss"] > 0

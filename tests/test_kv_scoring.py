@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slime_sparse.kv import KVCompressConfig, compress_indices, score_layer
+from slime_sparse.kv.scoring import newest_duplicate
 
 # --------------------------------------------------------------------------------------------------------------
 # Independent reference (lists of python floats)
@@ -209,6 +210,22 @@ def test_rkv_newest_near_duplicate_survives():
     cfg = KVCompressConfig(method="rkv", budget=n - 2, window=window, mix_lambda=0.1, kernel_size=1)
     kept = compress_indices(cfg, [keys], [queries])[0][0].tolist()
     assert 7 in kept and 1 not in kept and 4 not in kept
+
+
+def test_newest_duplicate_is_the_last_slot_over_threshold_else_zero():
+    """Against a loop over every row: the largest j with sim > threshold (strictly), else R-KV's fallback 0."""
+    sim = torch.rand(2, 3, 40, 40, generator=torch.Generator().manual_seed(0))  # leading dims: [layers, heads]
+    sim[0, 0, 5] = 0.0  # a row without near-duplicate: R-KV's fallback index 0
+    sim[0, 1, 6] = 0.0
+    sim[0, 1, 6, 0] = 0.9  # the only near-duplicate is slot 0
+    sim[1, 2, 7] = 0.0
+    sim[1, 2, 7, [3, 39]] = 0.7  # equal to the threshold: not a near-duplicate (R-KV compares with >)
+    sim[1, 2, 7, 20] = 0.71
+    expected = [[[max((j for j in range(40) if sim[a, h, i, j] > 0.7), default=0) for i in range(40)]
+                 for h in range(3)] for a in range(2)]
+    got = newest_duplicate(sim, 0.7)
+    assert got.dtype == torch.long and got.tolist() == expected
+    assert got[1, 2, 7] == 20 and got[0, 0, 5] == 0 and got[0, 1, 6] == 0
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ import torch
 
 from slime_sparse.rollout.embedded.attention import grouped_attention
 from slime_sparse.rollout.embedded.cache import BudgetKVCache
-from slime_sparse.rollout.embedded.plan import build_plan
+from slime_sparse.rollout.embedded.plan import build_plan, decode_plan
 
 L, HKV, HQ, D, CAP, WIN = 2, 2, 4, 4, 10, 3
 
@@ -45,6 +45,18 @@ def test_plan_left_pads_and_masks_by_hand():
     # last `window` = 2 real queries per row go to ring slots (seen + i) % 2
     assert list(zip(plan.ring_row.tolist(), plan.ring_slot.tolist())) == [(1, 1), (1, 0), (2, 1), (2, 0)]
     assert plan.query_valid.tolist() == [[0, 1, 1], [1, 1, 1]]
+
+
+def test_decode_plan_equals_the_general_plan_of_one_token_chunks():
+    tokens, fills, positions, seen = [5, 6, 7], [3, 9, 1], [10, 40, 1], [10, 40, 2]
+    fast = decode_plan(tokens, fills, positions, seen, window=4, device=torch.device("cpu"))
+    general = build_plan(0, [[t] for t in tokens], fills, positions, seen, window=4, device=torch.device("cpu"))
+    assert fast.decode and not general.decode and fast.span == general.span == 10
+    for name in ("input_ids", "position_ids", "attn_mask", "write_row", "write_slot", "write_pos", "ring_row",
+                 "ring_slot", "query_valid"):
+        assert torch.equal(getattr(fast, name), getattr(general, name)), name
+    for a, b in zip(fast.write_src + fast.ring_src, general.write_src + general.ring_src):
+        assert torch.equal(a, b)
 
 
 def test_update_writes_real_tokens_and_returns_views():
@@ -97,14 +109,14 @@ def test_window_queries_are_the_last_in_order_after_wraparound():
         assert torch.equal(got[layer], history[layer, :, -WIN:])
 
 
-def test_move_row_copies_all_state():
+def test_copy_row_copies_all_state():
     cache = make_cache()
     plan = build_plan(0, [[1, 2, 3, 4], [5, 6]], [0, 0], [0, 0], [0, 0], WIN, torch.device("cpu"))
     cache.begin(plan)
     run_plan(cache, plan, [4, 2])
     cache.mass[:, 1] = torch.rand(L, HKV, CAP)
     before = {name: getattr(cache, name)[:, 1].clone() for name in ("key", "value", "positions", "mass", "queries")}
-    cache.move_row(src=1, dst=0)
+    cache.copy_row(src=1, dst=0)
     assert cache.fill[0] == 2 and cache.queries_seen[0] == 2
     for name in ("key", "value", "positions", "mass"):
         assert torch.equal(getattr(cache, name)[:, 0, :, :2], before[name][:, :, :2]), name

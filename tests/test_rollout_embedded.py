@@ -317,3 +317,34 @@ def test_long_generation_matches_masked_reference(method):
         assert out.kv.peak_kv_tokens <= kv.budget + kv.buffer and out.kv.compressions >= 8
         ref = masked_reference_logprobs(model, records[i], out.prompt_ids, out.response_ids, params.temperature)
         assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GRPO groups: the n samples of a prompt share one prefill
+# ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kv", [
+    KVCompressConfig(method="none"),
+    KVCompressConfig(method="rkv", budget=12, buffer=4, window=3, kernel_size=3),
+    KVCompressConfig(method="snapkv", budget=10, buffer=4, window=2),  # compresses the prompt once it is prefilled
+    KVCompressConfig(method="h2o", budget=12, buffer=4, window=3),
+], ids=lambda kv: kv.method)
+def test_shared_prefill_equals_separate_prefills(kv):
+    model = make_model("qwen2")
+    long_prompt = list(range(1, 41))  # 40 tokens: chunked prefill with compressions under every budget above
+    prompts = [PROMPTS[1]] * 3 + [long_prompt] * 2 + [PROMPTS[3]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True)
+    engine, records = traced_engine(model, kv, max_batch_size=4)  # the second group is split by admission
+    outs = engine.generate(prompts, params, seed=7)
+    assert engine.last_stats.prefill_tokens_saved > 0
+    assert engine.last_stats.prefill_tokens + engine.last_stats.prefill_tokens_saved == sum(map(len, prompts))
+    for i, out in enumerate(outs):
+        alone = EmbeddedEngine(model, kv).generate([prompts[i]], params, seed=7, index_offset=i)[0]
+        assert out.response_ids == alone.response_ids
+        assert torch.allclose(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
+        assert out.kv == alone.kv
+        if kv.enabled:  # the copied cache is what the sample attended to: the masked reference agrees
+            ref = masked_reference_logprobs(model, records[i], out.prompt_ids, out.response_ids, params.temperature)
+            assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    assert [o.response_ids for o in engine.generate(prompts, greedy)] == \
+        [EmbeddedEngine(model, kv).generate([p], greedy)[0].response_ids for p in prompts]

@@ -132,6 +132,7 @@ def test_the_qwen25_grpo_example_parses_into_the_config_it_means(paths):
     assert (cfg.rollout.advantage_estimator, cfg.rollout.grpo_std_normalization) == ("grpo", True)
     loss = cfg.loss
     assert (loss.use_kl_loss, loss.kl_loss_coef, loss.kl_loss_type, loss.entropy_coef) == (True, 0.0, "low_var_kl", 0.0)
+    assert not loss.needs_ref  # the KL term weighs 0: no reference model is kept or run
     assert (loss.eps_low, loss.eps_high) == (0.2, 0.28)
     optim = LearnerSpec.from_run(cfg).optim
     assert (optim.lr, optim.decay_style, optim.weight_decay, optim.betas) == (1e-6, "constant", 0.1, (0.9, 0.98))

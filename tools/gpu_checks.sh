@@ -25,8 +25,10 @@ step env bash -c "nvidia-smi; python -c 'import torch; print(torch.__version__, 
 # the CUDA-only tests (checkpoint RNG of CUDA generators), and the whole suite on a GPU machine
 step tests_cuda python -m pytest -q -p no:cacheprovider -m "" tests/test_checkpoint.py
 # embedded engine on CUDA: the rollout benchmark (dense vs budgeted, against HF generate) in bf16
-step rollout_bench python benchmarks/rollout_bench.py --device cuda --dtype bf16 --lengths 1024 4096 \
-  --budgets 256 512 1024 --batch-size 32 --repeats 2
+# (#16's GPU rows: batch 64, 256..4k new tokens, R-KV budget 512; dense KV of smollm2-135m at 4k is ~6 GiB)
+step rollout_bench python benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 2 \
+  --budgets 512 --rows qwen2-19m:64:128:256 qwen2-19m:64:128:1024 qwen2-19m:64:128:4096 qwen2-19m:64:128:1024:8 \
+  smollm2-135m:64:128:1024 smollm2-135m:64:128:4096
 # Megatron learner: DDP + distributed optimizer + schedules (+ TE when installed), TP / PP with 2 GPUs
 LAYOUTS="1x1"; [ "$GPUS" -ge 2 ] && LAYOUTS="1x1 2x1 1x2"
 # shellcheck disable=SC2086

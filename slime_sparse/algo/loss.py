@@ -47,12 +47,19 @@ class LossConfig:
     eps_clip_c: float | None = None
     loss_agg_mode: str = "seq-mean-token-mean"
     use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
+    kl_loss_coef: float = field(default=0.0, metadata={"help": (
+        "weight of the KL term under --use-kl-loss. At 0 (slime's GRPO scripts) no reference model is kept or run: "
+        "the term would be multiplied by 0 (slime still computes it, for its log)")})
     kl_loss_type: str = field(default="low_var_kl", metadata={"help": (
         "k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]). slime's default is k1; low_var_kl here: non-negative "
         "and low-variance, the estimator GRPO uses and every slime GRPO script passes")})
     entropy_coef: float = 0.0
     norm_len: int | None = None
+
+    @property
+    def needs_ref(self) -> bool:
+        """pi_ref is recomputed (and a reference model kept) only when the KL term weighs in the loss."""
+        return self.use_kl_loss and self.kl_loss_coef > 0
 
     @property
     def eps_low(self) -> float:
@@ -183,7 +190,7 @@ def policy_loss(
         mask: [B, T] 0/1 mask after sparsity rejection.
         cfg: loss knobs.
         weights: [B, T] sparsity weights xi (detached), multiplied onto the clipped PPO term.
-        logp_ref: [B, T] reference-policy log-probs; required when cfg.use_kl_loss.
+        logp_ref: [B, T] reference-policy log-probs; required when cfg.needs_ref.
         entropy: [B, T] per-token entropy of pi_theta; required when cfg.entropy_coef > 0.
         num_seqs / num_tokens: global normalisers, see `aggregate`.
 
@@ -205,8 +212,8 @@ def policy_loss(
             raise ValueError(f"{name} must have shape {tuple(logp.shape)}, got {tuple(t.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"advantages must be [B] or [B, T] = {tuple(logp.shape)}, got {tuple(advantages.shape)}")
-    if cfg.use_kl_loss and logp_ref is None:
-        raise ValueError("--use-kl-loss needs reference log-probs (logp_ref)")
+    if cfg.needs_ref and logp_ref is None:
+        raise ValueError("--use-kl-loss with --kl-loss-coef > 0 needs reference log-probs (logp_ref)")
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"--entropy-coef={cfg.entropy_coef} needs per-token entropy")
 
@@ -249,7 +256,7 @@ def policy_loss(
     pg_loss = agg(pg)
     loss = pg_loss
     kl_loss = zero
-    if cfg.use_kl_loss:
+    if cfg.use_kl_loss and logp_ref is not None:  # given at coefficient 0 too: then only logged
         kl_loss = agg(kl_estimate(logp_s, safe(logp_ref.detach()), cfg.kl_loss_type))
         loss = loss + cfg.kl_loss_coef * kl_loss
     entropy_loss = zero

@@ -95,11 +95,19 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float) -> Tensor:
     k_unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
     sim = k_unit @ k_unit.transpose(-1, -2)  # [Hkv, n, n]
     sim.diagonal(dim1=-2, dim2=-1).zero_()
-    n = sim.shape[-1]
-    slot = torch.arange(n, device=sim.device)
-    newest_duplicate = torch.where(sim > sim_threshold, slot, torch.zeros_like(slot)).amax(dim=-1)  # [Hkv, n]
-    sim.scatter_(-1, newest_duplicate.unsqueeze(-1), 0.0)
+    sim.scatter_(-1, newest_duplicate(sim, sim_threshold).unsqueeze(-1), 0.0)
     return sim.mean(dim=-2).softmax(dim=-1)
+
+
+def newest_duplicate(sim: Tensor, threshold: float) -> Tensor:
+    """[..., n] long: per row i of sim [..., n, n], the largest j with sim[i, j] > threshold, else 0 (R-KV's fallback).
+
+    Slot numbers are multiplied into the mask as int32 rather than selected from int64 (torch.where): the same
+    indices for half the memory traffic of this pass over n x n entries, the costliest part of a compression after
+    the similarity matmul itself.
+    """
+    slot = torch.arange(sim.shape[-1], device=sim.device, dtype=torch.int32)
+    return ((sim > threshold).to(torch.int32) * slot).amax(dim=-1).long()
 
 
 def _scored_length(cfg: KVCompressConfig, n: int) -> int:

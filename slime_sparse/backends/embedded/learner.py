@@ -58,7 +58,7 @@ class EmbeddedLearner:
     # ---- update ----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's shard of the global batch)."""
-        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.needs_ref)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         reported: list[dict] = []

@@ -200,7 +200,7 @@ class MegatronLearner:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
         replica). Collective; every rank returns the same metrics."""
-        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.use_kl_loss)
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.needs_ref)
         micro = [batch.select(idx) for idx in self.batching.split([len(t) for t in batch.tokens])]
         if self.optimizer.reduces_in_schedule and not micro:
             raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
@@ -300,6 +300,6 @@ def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: M
         ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=seed)
     hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
     learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, batching=batching,
-                              temperature=temperature, need_ref=loss_cfg.use_kl_loss, params_dtype=params_dtype)
+                              temperature=temperature, need_ref=loss_cfg.needs_ref, params_dtype=params_dtype)
     learner.owns_process_group = owns_process_group
     return learner

@@ -63,10 +63,9 @@ class BudgetKVCache(Cache):
         """Write the new tokens' keys/values, return [n, Hkv, span, d] views of the rows being run."""
         p = self._current_plan()
         rows, slots = p.write_row, p.write_slot
-        src_b, src_c = p.write_src
         # Advanced indices on dims 0 and 2 around a slice: both sides are [T, Hkv, d].
-        self.key[layer_idx][rows, :, slots] = key_states[src_b, :, src_c]
-        self.value[layer_idx][rows, :, slots] = value_states[src_b, :, src_c]
+        self.key[layer_idx][rows, :, slots] = _real_tokens(key_states, p)
+        self.value[layer_idx][rows, :, slots] = _real_tokens(value_states, p)
         n = key_states.shape[0]
         rs = slice(p.row_start, p.row_start + n)
         return self.key[layer_idx, rs, :, : p.span], self.value[layer_idx, rs, :, : p.span]
@@ -80,8 +79,8 @@ class BudgetKVCache(Cache):
         if self.queries is None:
             return
         p = self._current_plan()
-        src_b, src_c = p.ring_src
-        self.queries[layer_idx][p.ring_row, :, p.ring_slot] = query[src_b, :, src_c]
+        queries = query[:, :, 0] if p.decode else query[p.ring_src[0], :, p.ring_src[1]]
+        self.queries[layer_idx][p.ring_row, :, p.ring_slot] = queries
 
     @property
     def tracks_mass(self) -> bool:
@@ -118,8 +117,9 @@ class BudgetKVCache(Cache):
         self.fill[row] = 0
         self.queries_seen[row] = 0
 
-    def move_row(self, src: int, dst: int) -> None:
-        """Copy row src into row dst (to keep running sequences in contiguous rows)."""
+    def copy_row(self, src: int, dst: int) -> None:
+        """Copy row src into row dst: a prefill shared by the samples of one prompt, or the last running row moved
+        into a finished one's place (running sequences stay in contiguous rows)."""
         n = self.fill[src]
         for t in (self.key, self.value, self.positions, self.mass):
             if t is not None:
@@ -175,3 +175,11 @@ class BudgetKVCache(Cache):
         if self.plan is None:
             raise RuntimeError("BudgetKVCache used outside a planned forward (call begin(plan) first)")
         return self.plan
+
+
+def _real_tokens(states: Tensor, plan: StepPlan) -> Tensor:
+    """[T, H, d]: the new tokens of [n, H, C, d] that are real (all of them, as a view, when decoding)."""
+    if plan.decode:
+        return states[:, :, 0]
+    src_b, src_c = plan.write_src
+    return states[src_b, :, src_c]

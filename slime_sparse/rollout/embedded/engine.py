@@ -15,8 +15,10 @@ budget above the longest possible sequence): the cache holds the whole sequence,
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import torch
@@ -30,10 +32,21 @@ from slime_sparse.utils.faults import fault_point
 
 from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
-from .plan import build_plan
+from .plan import StepPlan, build_plan, decode_plan
 from .sequence import KVTraceRecord, Sequence
 
 LONG_PROMPT_POLICIES = ("error", "skip")
+
+
+@dataclass
+class GenerateStats:
+    """What one generate() call did (`EmbeddedEngine.last_stats`)."""
+
+    forwards: int = 0  # model forwards: prefill chunks and decode steps
+    prefill_tokens: int = 0  # prompt tokens run through the model
+    prefill_tokens_saved: int = 0  # prompt tokens not run: the n samples of a prompt share one prefill
+    compressions: int = 0  # cache-row compressions (a shared prefill's compression counts once)
+    kv_cache_bytes: int = 0  # keys + values allocated for the call (the cache never grows: its peak)
 
 
 class EmbeddedEngine:
@@ -77,8 +90,13 @@ class EmbeddedEngine:
         self.on_long_prompt = on_long_prompt
         self.kv_trace = kv_trace
         self.num_skipped_prompts = 0  # cumulative over calls (on_long_prompt="skip")
-        self.last_kv_cache_bytes = 0  # keys + values allocated by the last generate() call (its peak KV memory)
+        self.last_stats = GenerateStats()  # what the last generate() call did
         self._weight_version = 0
+
+    @property
+    def last_kv_cache_bytes(self) -> int:
+        """Keys + values allocated by the last generate() call: its peak KV memory."""
+        return self.last_stats.kv_cache_bytes
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, kv: KVCompressConfig | None = None, **kwargs) -> "EmbeddedEngine":
@@ -205,7 +223,7 @@ class _Run:
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, self.context)
         self.capacity = row_capacity(self.kv, longest)
         self.cache = self._allocate(min(engine.max_batch_size, len(sequences)))
-        engine.last_kv_cache_bytes = self.cache.kv_bytes
+        self.stats = engine.last_stats = GenerateStats(kv_cache_bytes=self.cache.kv_bytes)
 
     def _allocate(self, rows: int) -> BudgetKVCache:
         cfg = self.model.config
@@ -227,59 +245,115 @@ class _Run:
     def run(self, outputs: list[GenerationOutput | None]) -> None:
         rows = len(self.cache.fill)
         while self.waiting or self.running:
-            first_new = len(self.running)
-            while self.waiting and len(self.running) < rows:
-                self.cache.reset_row(len(self.running))
-                self.running.append(self.waiting.popleft())
-            new = self.running[first_new:]
-            # Prefill the admitted prompts chunk by chunk; a row whose prompt is done already decodes along.
-            while any(s.processed < len(s.prompt) for s in new):
-                self._step(first_new, new)
-            self._retire(outputs)
-            if self.running:  # one decode step: every running sequence has exactly one pending token
-                self._step(0, self.running)
+            admitted: list[Sequence] = []
+            while self.waiting and len(self.running) + len(admitted) < rows:
+                admitted.append(self.waiting.popleft())
+            if admitted:
+                self._admit(admitted)
+                self._retire(outputs)
+            if self.running:
+                self._decode()
                 self._retire(outputs)
 
-    def _step(self, row_start: int, seqs: list[Sequence]) -> None:
-        """Run every sequence's pending tokens (as many as fit in its row) through the model once."""
-        fault_point("engine.step")  # chaos tests: a kill mid-rollout
+    # ---- prefill ----
+    def _admit(self, admitted: list[Sequence]) -> None:
+        """Prefill the admitted prompts, each distinct prompt once (GRPO's n samples of a prompt share it), and
+        sample their first tokens.
+
+        The first sample of each prompt (its leader) is prefilled in a row of its own; the others (followers) get a
+        copy of that row once the prompt is done, before any decode-time compression, so they continue from the very
+        cache they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
+        """
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in admitted:
+            groups.setdefault(tuple(seq.prompt), []).append(seq)
+        leaders = [group[0] for group in groups.values()]
+        followers = {id(group[0]): group[1:] for group in groups.values()}
+        first = len(self.running)
+        self.running += leaders + [f for group in groups.values() for f in group[1:]]
+        for row in range(first, len(self.running)):
+            self.cache.reset_row(row)
+        prefill = sum(len(s.prompt) for s in leaders)
+        self.stats.prefill_tokens += prefill
+        self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
+        follower_rows, row = {}, first + len(leaders)
+        for leader in leaders:
+            follower_rows[id(leader)] = range(row, row + len(followers[id(leader)]))
+            row += len(followers[id(leader)])
+        while any(s.processed < len(s.prompt) for s in leaders):
+            rows = range(first, first + len(leaders))
+            chunks = [s.pending(self.capacity - self.cache.fill[r]) if s.processed < len(s.prompt) else []
+                      for s, r in zip(leaders, rows)]
+            logits = self._forward(first, chunks, [s.processed for s in leaders])
+            for b, (seq, row, chunk) in enumerate(zip(leaders, rows, chunks)):
+                if not chunk:
+                    continue  # prompt already done: this row only rode along
+                self._account(seq, row, len(chunk), followers[id(seq)])
+                if seq.processed < len(seq.prompt):
+                    if should_compress(self.cache.fill[row], self.kv):  # a long prompt, prefilled in chunks
+                        self._compress_rows([row], [[seq]])
+                    continue
+                group = [seq] + followers[id(seq)]
+                for f in followers[id(seq)]:
+                    f.processed, f.kv = seq.processed, dataclasses.replace(seq.kv)
+                self._sample(group, logits[b].expand(len(group), -1))
+                live = [s for s in group if not s.finished]
+                if live and should_compress(self.cache.fill[row], self.kv, first_decode=True):
+                    self._compress_rows([row], [live])
+                for f, f_row in zip(followers[id(seq)], follower_rows[id(seq)]):
+                    if not f.finished:
+                        self.cache.copy_row(row, f_row)
+
+    # ---- decode ----
+    def _decode(self) -> None:
+        """One decode step: every running sequence runs its one pending token (the one sampled last)."""
+        seqs, cache = self.running, self.cache
+        n = len(seqs)
+        plan = decode_plan([s.response[-1] for s in seqs], cache.fill[:n], [s.processed for s in seqs],
+                           cache.queries_seen[:n], self.kv.window, self.engine.device)
+        logits = self._run_plan(plan, [1] * n)
+        for row, seq in enumerate(seqs):
+            self._account(seq, row, 1, ())
+        self._sample(seqs, logits)
+        due = [row for row, seq in enumerate(seqs) if not seq.finished and should_compress(cache.fill[row], self.kv)]
+        if due:
+            self._compress_rows(due, [[seqs[row]] for row in due])
+
+    # ---- shared by both ----
+    def _forward(self, row_start: int, chunks: list[list[int]], first_positions: list[int]) -> Tensor:
+        """Run each row's chunk through the model (rows [row_start, row_start + len(chunks))); next-token logits
+        of every row's last column."""
         cache = self.cache
-        rows = range(row_start, row_start + len(seqs))
-        chunks = [s.pending(self.capacity - cache.fill[r]) for s, r in zip(seqs, rows)]
-        plan = build_plan(
-            row_start, chunks, [cache.fill[r] for r in rows], [s.processed for s in seqs],
-            [cache.queries_seen[r] for r in rows], self.kv.window, self.engine.device,
-        )
+        rows = range(row_start, row_start + len(chunks))
+        plan = build_plan(row_start, chunks, [cache.fill[r] for r in rows], first_positions,
+                          [cache.queries_seen[r] for r in rows], self.kv.window, self.engine.device)
+        return self._run_plan(plan, [len(c) for c in chunks])
+
+    def _run_plan(self, plan: StepPlan, chunk_lengths: list[int]) -> Tensor:
+        fault_point("engine.step")  # chaos tests: a kill mid-rollout (prefill or decode)
+        cache = self.cache
         cache.begin(plan)
         logits = self.model(
             input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=plan.attn_mask,
             past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache},
         ).logits[:, -1]
-        cache.commit([len(c) for c in chunks])
+        cache.commit(chunk_lengths)
+        self.stats.forwards += 1
+        return logits
 
-        to_sample: list[int] = []  # batch rows whose sequence has run all its tokens: sample the next one
-        for b, (seq, row, chunk) in enumerate(zip(seqs, rows, chunks)):
-            if not chunk:
-                continue
-            seq.processed += len(chunk)
-            seq.kv.peak_kv_tokens = max(seq.kv.peak_kv_tokens, cache.fill[row])
-            if self.engine.kv_trace is not None:
-                positions = list(range(seq.processed - len(chunk), seq.processed))
-                self.engine.kv_trace(KVTraceRecord(seq.index, positions, cache.held_positions(row)))
-            if seq.processed == seq.length:
-                # The logits of this token see `processed` tokens densely and `fill` through our cache.
-                seq.kv.dense_kv_tokens += seq.processed
-                seq.kv.kept_kv_tokens += cache.fill[row]
-                to_sample.append(b)
-        if to_sample:
-            self._sample([seqs[b] for b in to_sample], logits[to_sample])
-
-        for seq, row, chunk in zip(seqs, rows, chunks):
-            if not chunk or seq.finished:
-                continue
-            prompt_done_now = seq.processed - len(chunk) < len(seq.prompt) <= seq.processed
-            if should_compress(cache.fill[row], self.kv, first_decode=prompt_done_now):
-                self._compress(seq, row)
+    def _account(self, seq: Sequence, row: int, ran: int, followers) -> None:
+        """After `ran` tokens of `seq` went through the model in `row`: progress, KV stats, trace."""
+        seq.processed += ran
+        fill = self.cache.fill[row]
+        seq.kv.peak_kv_tokens = max(seq.kv.peak_kv_tokens, fill)
+        if self.engine.kv_trace is not None:
+            positions = list(range(seq.processed - ran, seq.processed))
+            for s in (seq, *followers):
+                self.engine.kv_trace(KVTraceRecord(s.index, positions, self.cache.held_positions(row)))
+        if seq.processed == seq.length:
+            # The logits of this token see `processed` tokens densely and `fill` through our cache.
+            seq.kv.dense_kv_tokens += seq.processed
+            seq.kv.kept_kv_tokens += fill
 
     def _sample(self, seqs: list[Sequence], logits: Tensor) -> None:
         generators = None if self.params.greedy else [s.generator for s in seqs]
@@ -291,14 +365,18 @@ class _Run:
             elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
                 seq.finish_reason = "length"
 
-    def _compress(self, seq: Sequence, row: int) -> None:
+    def _compress_rows(self, rows: list[int], owners: list[list[Sequence]]) -> None:
+        """Compress each of `rows` to the budget; owners[i] are the sequences that count the compression."""
         cache = self.cache
-        kept = compress_indices(
-            self.kv, cache.layer_keys(row), cache.window_queries(row), values=cache.layer_values(row),
-            attn_mass=cache.layer_mass(row), budget=self.kv.budget,
-        )
-        cache.compact(row, kept)
-        seq.kv.compressions += 1
+        for row, seqs in zip(rows, owners):
+            kept = compress_indices(
+                self.kv, cache.layer_keys(row), cache.window_queries(row), values=cache.layer_values(row),
+                attn_mass=cache.layer_mass(row), budget=self.kv.budget,
+            )
+            cache.compact(row, kept)
+            for seq in seqs:
+                seq.kv.compressions += 1
+        self.stats.compressions += len(rows)
 
     def _retire(self, outputs: list[GenerationOutput | None]) -> None:
         """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
@@ -309,7 +387,7 @@ class _Run:
             outputs[seq.index] = seq.output(self.engine.weight_version)
             last = len(self.running) - 1
             if row != last:
-                self.cache.move_row(last, row)
+                self.cache.copy_row(last, row)
                 self.running[row] = self.running[last]
             self.running.pop()
 

@@ -33,6 +33,7 @@ class StepPlan:
     ring_row: Tensor  # [R] cache row of those queries
     ring_slot: Tensor  # [R] their slot in the per-row ring buffer of `window` queries
     query_valid: Tensor  # [n, C] float32: 1 on real columns (H2O counts attention mass of real queries only)
+    decode: bool = False  # C = 1 and every row runs one real token: the new keys/queries need no gather
 
 
 def build_plan(
@@ -89,4 +90,40 @@ def build_plan(
         ring_row=dev(ring_b + row_start),
         ring_slot=dev((seen[ring_b] + rel[ring_b, ring_c]) % window),
         query_valid=dev(real.to(torch.float32)),
+    )
+
+
+def decode_plan(tokens: list[int], fills: list[int], positions: list[int], queries_seen: list[int], window: int,
+                device: torch.device) -> StepPlan:
+    """The plan of a decode step over rows [0, n): row b appends tokens[b] at logical position positions[b] after
+    its fills[b] held slots. What `build_plan` gives for one-token chunks, built with a few small tensors: this
+    runs once per generated token."""
+    n = len(tokens)
+    rows = torch.arange(n)
+    col = torch.zeros(n, dtype=torch.long)
+    fill = torch.tensor(fills, dtype=torch.long)
+    pos = torch.tensor(positions, dtype=torch.long)
+    span = max(fills) + 1
+    attn_mask = (torch.arange(span)[None, :] <= fill[:, None])[:, None, None]  # the new token sees fill + 1 slots
+    ring_slot = torch.tensor([s % window for s in queries_seen], dtype=torch.long)
+
+    def dev(t: Tensor) -> Tensor:
+        return t.to(device, non_blocking=True)
+
+    rows, col = dev(rows), dev(col)
+    return StepPlan(
+        row_start=0,
+        input_ids=dev(torch.tensor(tokens, dtype=torch.long)[:, None]),
+        position_ids=dev(pos[:, None]),
+        attn_mask=dev(attn_mask),
+        span=span,
+        write_src=(rows, col),
+        write_row=rows,
+        write_slot=dev(fill),
+        write_pos=dev(pos.to(torch.int32)),
+        ring_src=(rows, col),
+        ring_row=rows,
+        ring_slot=dev(ring_slot),
+        query_valid=dev(torch.ones(n, 1)),
+        decode=True,
     )

@@ -1,0 +1,88 @@
+"""The benchmark scripts run end to end in their CI-sized mode (nothing is timed here: only what the tables
+report besides time is checked)."""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="--before extracts a commit with git")
+def test_rollout_bench_ci_rows():
+    bench = load("rollout_bench")
+    lines = bench.main(["--suite", "ci", "--before", "HEAD", "--repeats", "1"])
+    rows = [dict(zip(cells(bench.HEADER.splitlines()[0]), cells(line))) for line in lines]
+    # 2 rows x (hf + before/after x {dense, rkv B=16})
+    assert [(r["batch"], r["engine"], r["KV"]) for r in rows] == [
+        (b, e, kv) for b in ("4", "2x2") for e, kv in
+        [("hf", "dense"), ("before", "dense"), ("after", "dense"), ("before", "rkv B=16"), ("after", "rkv B=16")]]
+    for r in rows:
+        assert float(r["tok/s"]) > 0 and 0 < float(r["roofline %"])
+        if r["engine"] == "after":  # HEAD against itself, same seed: the same tokens, prefill shared or not
+            assert r["= before"] == "yes"
+        if r["engine"] != "hf":
+            assert float(r["x hf"]) > 0
+    dense = {(r["batch"], r["engine"]): float(r["peak KV MiB"]) for r in rows if r["KV"] == "dense"}
+    for r in rows:
+        if r["KV"] != "dense":
+            assert float(r["peak KV MiB"]) < dense[(r["batch"], r["engine"])]
+            assert 0 <= float(r["compress %"]) < 100
+    saved = {(r["batch"], r["engine"]): r["prefill saved"] for r in rows}
+    # only this checkout's engine shares prefill, and only across the 2 samples of a prompt: 2 prompts x 24 tokens
+    # (HEAD is this checkout here, so before shares too)
+    assert saved[("4", "after")] == "0" and saved[("2x2", "after")] == "48" and saved[("2x2", "before")] == "48"
+
+
+def test_rollout_bench_rejects_bad_rows():
+    bench = load("rollout_bench")
+    with pytest.raises(SystemExit, match="MODEL:BATCH:PROMPT:NEW"):
+        bench.parse_args(["--rows", "tiny:4:x:40"])
+    with pytest.raises(SystemExit, match="N must divide BATCH"):
+        bench.parse_args(["--rows", "tiny:4:24:40:3"])
+
+
+def test_learner_bench_ci_row():
+    bench = load("learner_bench")
+    corr, ref = bench.main(["--suite", "ci", "--repeats", "1"])
+    assert len(corr) == 1 and len(ref) == 1
+    row = dict(zip(cells(bench.CORRECTION_HEADER.splitlines()[0]), cells(corr[0])))
+    assert (row["model"], row["batch"], row["correction"]) == ("tiny", "8", "mis")
+    # responses are drawn in [R/2, R] = [12, 24]
+    assert 12 <= float(row["mean response"]) <= 24
+    for key in ("plain GRPO s/step", "Sparse-RL s/step", "correction + metrics ms"):
+        assert float(row[key]) > 0
+    ref_row = cells(ref[0])
+    assert ref_row[:3] == ["tiny", "8", "16"] and float(ref_row[3]) > 0 and float(ref_row[4]) > 0
+
+
+def test_learner_bench_makes_samples_the_correction_acts_on():
+    """The synthetic rollout exercises the correction: some tokens rejected, weights not all 1."""
+    bench = load("learner_bench")
+    from slime_sparse import pipeline
+    from slime_sparse.algo import CorrectionConfig, LossConfig
+
+    row = bench.RowSpec.parse("tiny:8:16:24")
+    model = bench.build_model("tiny", 41, seed=0)
+    learner = bench.learner_for(model, bench.parse_args(["--suite", "ci"]), LossConfig())
+    prepared = pipeline.prepare_rollout(bench.make_samples(row, 512, 0), learner, CorrectionConfig.from_preset("mis"))
+    masks = torch.cat(prepared.batch.loss_masks)
+    weights = torch.cat(prepared.batch.weights)
+    assert 0 < masks.sum() < masks.numel() and weights.std() > 0
