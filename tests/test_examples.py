@@ -1,6 +1,7 @@
 """The GPU recipes that cannot run here still parse, and fit the layout rules the Ray groups enforce at start-up."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -53,18 +54,21 @@ def test_qwen25_7b_recipe_parses_and_fits_its_layout(qwen25_7b, tmp_path, capsys
     assert printed[2:4] == ["submit", "10.0.0.1"] and printed[-2:] == ["--num-rollout", "3"]
 
 
+def _real_model_run():
+    """examples/real_model/run.py, loaded under its own name: other recipes have a run.py too."""
+    spec = importlib.util.spec_from_file_location("real_model_run", os.path.join(EXAMPLES, "real_model", "run.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_real_model_recipe_parses_and_grades(monkeypatch, tmp_path):
     """examples/real_model: every flag known and valid, the grader importable by name as the workers import it,
     and the grader's reading of answers (the real-model tests grade live outputs with it)."""
-    import importlib.util
-
     monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "real_model"))
     import products
 
-    # loaded under its own name: other recipes have a run.py too
-    spec = importlib.util.spec_from_file_location("real_model_run", os.path.join(EXAMPLES, "real_model", "run.py"))
-    real_run = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(real_run)
+    real_run = _real_model_run()
 
     model = tmp_path / "model"
     model.mkdir()
@@ -84,3 +88,19 @@ def test_real_model_recipe_parses_and_grades(monkeypatch, tmp_path):
     assert products.extract_answer("**Answer:** 54") == "54"
     assert products.extract_answer("7 * 8 = 56, so the product is 56") == "56"
     assert products.extract_answer("I cannot help with that.") is None
+
+
+def test_real_model_summary_table(tmp_path):
+    """The recipe's before/after table: evaluations at the first and last step, rollout metrics averaged
+    over the first and last quarter of the run."""
+    real_run = _real_model_run()
+    records = [{"step": s, f"eval_{m}/pass@1": acc, f"eval_{m}/n_prompts": 25.0}
+               for s, accs in ((0, (0.4, 0.44)), (8, (0.6, 0.52))) for m, acc in zip(("dense", "sparse"), accs)]
+    records += [{"step": s, "rollout/reward_mean": s / 10, "kv/savings": 0.5} for s in range(1, 9)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    rows = {label: (before, after) for label, before, after in real_run.summary_rows(str(tmp_path))}
+    assert rows["eval accuracy, dense (greedy, 25 problems)"] == (0.4, 0.6)
+    assert rows["eval accuracy, R-KV B=32 (greedy, 25 problems)"] == (0.44, 0.52)
+    assert rows["rollout reward (T=0.7, R-KV)"] == pytest.approx((0.15, 0.75))  # steps 1-2 and 7-8
+    assert rows["KV token savings"] == (0.5, 0.5)
+    assert "| eval accuracy, dense (greedy, 25 problems) | 0.4000 | 0.6000 |" in real_run.summary_table(str(tmp_path))

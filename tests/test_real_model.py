@@ -21,7 +21,9 @@ import torch
 from engine_reference import dense_logprobs, masked_reference_logprobs, traced_engine
 
 from slime_sparse.algo import CorrectionConfig, LossConfig
+from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
+from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.pipeline import prepare_rollout, split_steps, to_samples
 from slime_sparse.rollout import SamplingParams
@@ -197,7 +199,8 @@ def test_learner_recompute_equals_hf(model, tokenizer, product_prompts, long_pro
     tokens = [o.prompt_ids + o.response_ids for o in outs]
     lens = [len(o.response_ids) for o in outs]
     assert len(set(map(len, tokens))) > 2  # unequal lengths: right padding in every micro-batch
-    learner = EmbeddedLearner(model, LossConfig(), lr=1e-6, max_tokens=300, temperature=0.7)  # several micro-batches
+    learner = EmbeddedLearner(model, LossConfig(), optim=OptimConfig(lr=1e-6), batching=MicroBatching(max_tokens=300),
+                              temperature=0.7)  # several micro-batches
     recomputed = learner.compute_logprobs(tokens, lens)
     for out, logp in zip(outs, recomputed):
         ref = dense_logprobs(model, out.prompt_ids, out.response_ids, 0.7)
@@ -208,7 +211,8 @@ def test_learner_recompute_equals_hf(model, tokenizer, product_prompts, long_pro
 def test_learner_step_and_weight_sync_leave_identical_weights(model_dir, model, tokenizer, product_prompts):
     # two copies, as a run has them: the learner's and the engine's (loaded separately from the directory)
     engine = EmbeddedEngine(model_dir, KVCompressConfig(method="rkv", budget=32, buffer=16, window=8), max_batch_size=16)
-    learner = EmbeddedLearner(copy.deepcopy(model), LossConfig(), lr=1e-5, temperature=0.7, max_tokens=2048)
+    learner = EmbeddedLearner(copy.deepcopy(model), LossConfig(), optim=OptimConfig(lr=1e-5),
+                              batching=MicroBatching(max_tokens=2048), temperature=0.7)
     before = {k: v.clone() for k, v in learner.model.state_dict().items()}
     samples = rollout_samples(engine, tokenizer, product_prompts[:4], n=4, seed=5)
     rewards = [s.reward for s in samples]
@@ -269,12 +273,13 @@ def test_reward_grades_real_outputs(model, tokenizer):
 # Megatron learner (megatron-core on CPU): the HF -> Megatron mapping of a real Llama checkpoint
 # ------------------------------------------------------------------------------------------------------------
 def _megatron_worker(rank: int, world_size: int, model_dir: str, tokens: list[list[int]], lens: list[int]) -> dict:
-    from slime_sparse.backends.megatron import build_megatron_learner
     from slime_sparse.config import RunConfig, TrainConfig
+    from slime_sparse.factory import LearnerSpec, build_learner
 
-    cfg = RunConfig(train=TrainConfig(hf_checkpoint=model_dir, max_tokens_per_gpu=512),
+    # as a run builds it (--train-backend megatron); 512-token micro-batches: several per recompute
+    cfg = RunConfig(train=TrainConfig(hf_checkpoint=model_dir, train_backend="megatron", max_tokens_per_gpu=512),
                     sampling=SamplingParams(temperature=0.7))
-    learner = build_megatron_learner(cfg)
+    learner = build_learner(LearnerSpec.from_run(cfg))
     return {"logp": learner.compute_logprobs(tokens, lens), "weights": dict(learner.named_weights())}
 
 

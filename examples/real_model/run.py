@@ -64,11 +64,12 @@ def summary_rows(run_dir: str) -> list[tuple[str, float, float]]:
         return sum(vals) / len(vals) if vals else float("nan")
 
     rows = []
-    for mode, label in (("dense", "eval accuracy, dense (greedy, 100 problems)"),
-                        ("sparse", "eval accuracy, R-KV B=32 (greedy)")):
-        evals = sorted((r["step"], r[f"eval_{mode}/pass@1"]) for r in records if f"eval_{mode}/pass@1" in r)
+    for mode, label in (("dense", "eval accuracy, dense (greedy, {n} problems)"),
+                        ("sparse", "eval accuracy, R-KV B=32 (greedy, {n} problems)")):
+        evals = sorted((r["step"], r[f"eval_{mode}/pass@1"], r[f"eval_{mode}/n_prompts"]) for r in records
+                       if f"eval_{mode}/pass@1" in r)
         if evals:
-            rows.append((label, evals[0][1], evals[-1][1]))
+            rows.append((label.format(n=int(evals[-1][2])), evals[0][1], evals[-1][1]))
     for key, label in (("rollout/reward_mean", "rollout reward (T=0.7, R-KV)"),
                        ("rollout/response_len_mean", "response length (tokens)"),
                        ("kv/savings", "KV token savings"), ("mismatch/k3", "mismatch k3 (pi_old vs pi_sparse)"),
