@@ -18,7 +18,7 @@ from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.pipeline import assign_rewards, prepare_rollout, split_steps, to_samples
-from slime_sparse.utils.checkpoint import checkpoint_to_resume
+from slime_sparse.utils.checkpoint import checkpoint_to_resume, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
 
@@ -103,6 +103,7 @@ def train(cfg: RunConfig) -> dict:
             components.close()
             raise StartupError(f"cannot resume from {resume_from}: {exc}") from exc
         logger.info("resumed from %s at rollout %d", resume_from, start)
+    tidy_save_dir(save_dir, cfg.train.keep_last)
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
                                 wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from slime_sparse.utils import faults
-from slime_sparse.utils.checkpoint import latest_checkpoint, list_checkpoints, load_training_state
+from slime_sparse.utils.checkpoint import latest_checkpoint, list_checkpoints, load_training_state, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, read_metrics
 
 
@@ -89,6 +89,12 @@ def test_kill_9_at_a_write_point_leaves_a_loadable_run(tmp_path, point, hit, res
     saved = torch.load(tmp_path / f"weights_{resume_step}.pt", weights_only=True)
     assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
     assert [s for s, _ in list_checkpoints(str(save_dir))] == visible
+    # the restarted run finishes what the killed one left (also when no later save comes): no tmp-* directory,
+    # keep_last checkpoints, `latest` unchanged
+    tidy_save_dir(str(save_dir), keep_last=2)
+    assert not [p.name for p in save_dir.iterdir() if p.name.startswith("tmp-")]
+    assert [s for s, _ in list_checkpoints(str(save_dir))] == visible[-2:]
+    assert latest_checkpoint(str(save_dir)) == latest
 
     # the resumed run's logger drops what came after the checkpoint, torn line included: each step once
     with MetricsLogger(str(run_dir), use_tensorboard=False, start_step=resume_step + 1) as log:

@@ -11,8 +11,8 @@ A training checkpoint is a directory inside `save_dir` (the caller picks its nam
 
 Atomicity: everything is written into `<save_dir>/tmp-<name>`, fsynced, and moved to `<save_dir>/<name>` by
 one os.rename, so a directory not named tmp-* is complete. A crash mid-write leaves only a tmp-* directory;
-the next training save removes every tmp-* directory of `save_dir`, which therefore belongs to the
-checkpointer (one writer at a time). The `.pt` files hold only tensors and plain values and are read with
+the next training save, and a run that (re)starts (`tidy_save_dir`), removes every tmp-* directory of
+`save_dir`, which therefore belongs to the checkpointer (one writer at a time). The `.pt` files hold only tensors and plain values and are read with
 torch.load(weights_only=True).
 """
 from __future__ import annotations
@@ -205,6 +205,24 @@ def prune_checkpoints(save_dir: str, keep_last: int) -> list[str]:
     return doomed
 
 
+def tidy_save_dir(save_dir: str, keep_last: int) -> None:
+    """Finish what a run killed mid-save left in its own `save_dir`: remove the partial (tmp-*) directories and
+    prune to `keep_last`. Called when a run (re)starts: a kill during the last save has no later save to do it
+    (found by the chaos test: a finished run kept a tmp-deleting-* checkpoint)."""
+    if not os.path.isdir(save_dir):
+        return
+    _remove_stale(save_dir, lambda entry: entry.startswith(TMP_PREFIX))
+    prune_checkpoints(save_dir, keep_last)
+
+
+def _remove_stale(parent: str, is_stale) -> None:
+    for entry in os.listdir(parent):
+        stale = os.path.join(parent, entry)
+        if os.path.isdir(stale) and is_stale(entry):
+            logger.warning("removing stale partial checkpoint %s", stale)
+            shutil.rmtree(stale)
+
+
 # ----------------------------------------------------------------------------------------------- atomic files
 
 
@@ -221,11 +239,7 @@ def _atomic_dir(path: str, *, clean_all_tmp: bool) -> Iterator[str]:
         raise ValueError(f"checkpoint path {path!r} must have a name not starting with {TMP_PREFIX!r}")
     os.makedirs(parent, exist_ok=True)
     own = {f"{TMP_PREFIX}{name}", f"{TMP_PREFIX}replaced-{name}"}
-    for entry in os.listdir(parent):
-        stale = os.path.join(parent, entry)
-        if os.path.isdir(stale) and (entry in own or (clean_all_tmp and entry.startswith(TMP_PREFIX))):
-            logger.warning("removing stale partial checkpoint %s", stale)
-            shutil.rmtree(stale)
+    _remove_stale(parent, lambda entry: entry in own or (clean_all_tmp and entry.startswith(TMP_PREFIX)))
 
     tmp = os.path.join(parent, f"{TMP_PREFIX}{name}")
     os.makedirs(tmp)
