@@ -12,13 +12,19 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
-from slime_sparse.pipeline import assign_rewards, prepare_rollout, split_steps, to_samples
-from slime_sparse.utils.checkpoint import checkpoint_to_resume, tidy_save_dir
+from slime_sparse.pipeline import (Recomputed, assign_rewards, prepare_rollout, recompute_logprobs, response_metrics,
+                                   split_steps, to_samples)
+from slime_sparse.rollout.filter_hub import load_filters, select_groups
+from slime_sparse.rollout.sampling import derive_seed
+from slime_sparse.types import Sample
+from slime_sparse.utils.checkpoint import checkpoint_to_resume
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
 
@@ -30,9 +36,11 @@ class StartupError(ValueError):
     match the data ...): main() reports it as one line, like a bad flag."""
 
 
-def rollout_seed(cfg: RunConfig, rollout_id: int) -> int:
-    """Sampling seed of one rollout: a pure function of (seed, rollout id), so a resumed run draws the same."""
-    return cfg.train.seed * 1_000_003 + rollout_id
+def rollout_seed(cfg: RunConfig, rollout_id: int, round_id: int = 0) -> int:
+    """Sampling seed of one generation round of a rollout: a pure function of (seed, rollout id, round), so a
+    resumed run draws the same. Round 0 (the only one without dynamic sampling) keeps the plain formula."""
+    seed = cfg.train.seed * 1_000_003 + rollout_id
+    return seed if round_id == 0 else derive_seed(seed, -round_id)
 
 
 def is_due(step: int, interval: int, last_step: int) -> bool:
@@ -46,27 +54,80 @@ def wandb_settings(log: LogConfig) -> WandbSettings:
                          name=log.wandb_run_name, mode=log.wandb_mode, host=log.wandb_host)
 
 
+@dataclass
+class GeneratedRollout:
+    """The train batch's samples (whole groups, in stream order) with their dense log-probs, and the metrics
+    of generating them: rollout/* over every generated sample, dynamic sampling's counts, timings."""
+
+    samples: list[Sample] = field(default_factory=list)
+    logprobs: Recomputed = field(default_factory=lambda: Recomputed([], None))
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> GeneratedRollout:
+    """Generation rounds until the batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path
+    (slime's dynamic sampling, DAPO), at most --dynamic-sampling-max-rounds of them. A round draws
+    --over-sampling-batch-size prompts, generates, scores, recomputes pi_old (the filters see which samples the
+    correction rejects) and judges its groups in stream order; the groups after the last one the batch needed go
+    back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once."""
+    n, target = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
+    filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
+    out = GeneratedRollout(logprobs=Recomputed([], [] if cfg.loss.use_kl_loss else None))
+    generated: list[Sample] = []
+    counts: Counter = Counter()
+    t_rollout = t_recompute = 0.0
+    for round_id in range(cfg.rollout.dynamic_sampling_max_rounds):
+        records = components.stream.next_batch(cfg.rollout.sampling_batch_size)
+        t0 = time.perf_counter()
+        outputs = components.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
+                                             seed=rollout_seed(cfg, rollout_id, round_id))
+        t_rollout += time.perf_counter() - t0
+        samples = to_samples(records, outputs, n)
+        counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
+        t1 = time.perf_counter()
+        logprobs = recompute_logprobs(samples, components.learner, cfg.correction, need_ref=cfg.loss.use_kl_loss)
+        t_recompute += time.perf_counter() - t1
+
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        selection = select_groups(groups, filters, cfg, target - len(out.samples) // n)
+        components.stream.put_back(len(groups) - selection.judged)
+        keep = [g * n + j for g in selection.kept for j in range(n)]
+        out.samples += [samples[i] for i in keep]
+        out.logprobs.extend(logprobs.select(keep))
+        generated += samples
+        counts.update({"rollout/groups_generated": len(groups), "rollout/groups_put_back": len(groups) - selection.judged,
+                       "rollout/groups_dropped": sum(selection.dropped.values()), "rollout/gen_rounds": 1,
+                       **{f"rollout/dynamic_filter/drop_{k}": v for k, v in selection.dropped.items()}})
+        if len(out.samples) == target * n:
+            break
+    else:
+        logger.warning("rollout %d: dynamic sampling kept %d of --rollout-batch-size=%d groups in "
+                       "--dynamic-sampling-max-rounds=%d rounds; training on those", rollout_id,
+                       len(out.samples) // n, target, cfg.rollout.dynamic_sampling_max_rounds)
+    gen_tokens = sum(len(s.response_ids) for s in generated)
+    train_tokens = sum(len(s.response_ids) for s in out.samples)
+    out.metrics = {
+        **response_metrics(generated), **{k: float(v) for k, v in counts.items()},
+        "rollout/groups_kept": len(out.samples) / n,
+        "rollout/dynamic_sampling_exhausted": float(len(out.samples) < target * n),
+        "rollout/gen_tokens": float(gen_tokens),
+        "rollout/gen_tokens_per_train_token": gen_tokens / max(train_tokens, 1),
+        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute,
+        "perf/rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+    }
+    return out
+
+
 def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict[str, float]:
-    n = cfg.rollout.n_samples_per_prompt
-    records = components.stream.next_batch()
-    prompts = [r.prompt_ids for r in records for _ in range(n)]
-
-    t0 = time.perf_counter()
-    outputs = components.engine.generate(prompts, cfg.sampling, seed=rollout_seed(cfg, rollout_id))
-    t_rollout = time.perf_counter() - t0
-    samples = to_samples(records, outputs, n)
-    metrics = assign_rewards(samples, components.tokenizer, components.reward_fn)
-
-    t1 = time.perf_counter()
-    prepared = prepare_rollout(
-        samples, components.learner, cfg.correction,
-        normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
-    )
-    t_recompute = time.perf_counter() - t1
-    metrics.update(prepared.metrics)
-
+    rollout = generate_rollout(cfg, components, rollout_id)
+    metrics = rollout.metrics
+    per_step = []
     t2 = time.perf_counter()
-    per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
+    if rollout.samples:  # dynamic sampling may keep no group at all (counted above): then no optimizer step
+        prepared = prepare_rollout(rollout.samples, rollout.logprobs, cfg.correction,
+                                   normalize_std=cfg.rollout.grpo_std_normalization)
+        metrics.update(prepared.metrics)
+        per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
     t_train = time.perf_counter() - t2
     metrics.update(mean_over_steps(per_step))
 
@@ -74,10 +135,8 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     components.sync_weights()
     t_sync = time.perf_counter() - t3
 
-    n_tokens = sum(len(s.response_ids) for s in samples)
     metrics.update({
-        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute, "perf/train_s": t_train, "perf/sync_s": t_sync,
-        "perf/rollout_tokens_per_s": n_tokens / max(t_rollout, 1e-9),
+        "perf/train_s": t_train, "perf/sync_s": t_sync,
         "rollout/weight_version": float(components.engine.weight_version),
     })
     return metrics
@@ -121,7 +180,8 @@ def train(cfg: RunConfig) -> dict:
             summary["last"] = metrics
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
-                                 rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}")
+                                 rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",
+                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}")
             if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
                 summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
             if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
