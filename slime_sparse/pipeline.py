@@ -73,8 +73,8 @@ class Recomputed:
             self.ref += other.ref
 
 
-def recompute_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
-                       need_ref: bool = False) -> Recomputed:
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
+                   need_ref: bool = False) -> Recomputed:
     """Dense pi_old (and pi_ref) of `samples`; also marks each sample the sparsity correction rejects whole
     (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples)."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]

@@ -19,7 +19,7 @@ from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
-from slime_sparse.pipeline import (Recomputed, assign_rewards, prepare_rollout, recompute_logprobs, response_metrics,
+from slime_sparse.pipeline import (Recomputed, assign_rewards, dense_logprobs, prepare_rollout, response_metrics,
                                    split_steps, to_samples)
 from slime_sparse.rollout.filter_hub import load_filters, select_groups
 from slime_sparse.rollout.sampling import derive_seed
@@ -85,7 +85,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         samples = to_samples(records, outputs, n)
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
-        logprobs = recompute_logprobs(samples, components.learner, cfg.correction, need_ref=cfg.loss.use_kl_loss)
+        logprobs = dense_logprobs(samples, components.learner, cfg.correction, need_ref=cfg.loss.use_kl_loss)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
