@@ -69,7 +69,7 @@ def test_filters_load_by_slime_path_bare_name_and_module_path():
                          "slime_sparse.rollout.filter_hub.check_min_kept_samples"]) == FILTERS
     with pytest.raises(ValueError, match="--dynamic-sampling-filter-path 'no_such_module.f'"):
         load_filters(["no_such_module.f"])
-    with pytest.raises(ValueError, match="has no attribute"):
+    with pytest.raises(ValueError, match="has no function"):
         load_filters(["slime_sparse.rollout.filter_hub:nope"])
     assert filter_hub.judge([lambda cfg, s: False], _Cfg, ROUND[0]) == DynamicFilterOutput(keep=False)
 
