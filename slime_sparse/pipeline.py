@@ -57,38 +57,20 @@ def response_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-@dataclass
-class Recomputed:
-    """Dense log-probs of samples' response tokens: pi_old, and pi_ref when the KL loss needs it."""
-
-    old: list[torch.Tensor]
-    ref: list[torch.Tensor] | None = None
-
-    def select(self, idx: list[int]) -> "Recomputed":
-        return Recomputed([self.old[i] for i in idx], None if self.ref is None else [self.ref[i] for i in idx])
-
-    def extend(self, other: "Recomputed") -> None:
-        self.old += other.old
-        if self.ref is not None:
-            self.ref += other.ref
-
-
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
-                   need_ref: bool = False) -> Recomputed:
-    """Dense pi_old (and pi_ref) of `samples`; also marks each sample the sparsity correction rejects whole
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig) -> list[torch.Tensor]:
+    """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
     (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples)."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     if min(response_lens) == 0:
         raise ValueError("a sample has an empty response; engines must return at least one token")
     old = learner.compute_logprobs(tokens, response_lens)
-    ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
     kept = sparsity_correction(pad_right(old, 0.0, dtype=torch.float32), logp_sparse, response_mask(response_lens),
                                correction).seq_kept
     for s, k in zip(samples, kept.tolist()):
         s.rejected = not k
-    return Recomputed(old, ref)
+    return old
 
 
 @dataclass
@@ -99,12 +81,15 @@ class PreparedRollout:
 
 def prepare_rollout(
     samples: list[Sample],
-    logprobs: Recomputed,
+    old: list[torch.Tensor],
+    learner,
     correction: CorrectionConfig,
     *,
     normalize_std: bool = True,
+    need_ref: bool = False,
 ) -> PreparedRollout:
-    """Advantages and the sparsity correction over the whole train batch, given its dense log-probs.
+    """Advantages, the dense pi_ref recompute (for the KL loss) and the sparsity correction over the whole train
+    batch, given its pi_old (`dense_logprobs`).
 
     The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
     of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
@@ -115,7 +100,8 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
-    logp_old = pad_right(logprobs.old, 0.0, dtype=torch.float32)
+    ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
+    logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
     mask = response_mask(response_lens)
     corr = sparsity_correction(logp_old, logp_sparse, mask, correction)
@@ -128,8 +114,8 @@ def prepare_rollout(
         response_lens=response_lens,
         advantages=advantages,
         loss_masks=[corr.mask[i, :n] for i, n in enumerate(response_lens)],
-        old_logprobs=logprobs.old,
-        ref_logprobs=logprobs.ref,
+        old_logprobs=old,
+        ref_logprobs=ref,
         weights=[corr.weights[i, :n] for i, n in enumerate(response_lens)],
     )
     return PreparedRollout(batch=batch, metrics=metrics)

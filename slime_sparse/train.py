@@ -1,7 +1,8 @@
 """The Sparse-RL training loop: one loop for every combination of rollout engine and learner backend.
 
-rollout (n samples per prompt, compressed KV) -> reward -> group advantages -> dense recompute of
-pi_old (and pi_ref) -> sparsity correction -> optimizer steps -> weight sync -> metrics -> eval/checkpoint.
+rollout (n samples per prompt, compressed KV) -> reward -> dense recompute of pi_old -> dynamic-sampling
+filters (more rounds until the batch is full) -> group advantages -> pi_ref -> sparsity correction -> optimizer
+steps -> weight sync -> metrics -> eval/checkpoint.
 
     slime-sparse-train --hf-checkpoint MODEL_DIR --prompt-data train.jsonl --kv-method rkv --kv-budget 512 ...
 """
@@ -15,12 +16,14 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import torch
+
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
-from slime_sparse.pipeline import (Recomputed, assign_rewards, dense_logprobs, prepare_rollout, response_metrics,
-                                   split_steps, to_samples)
+from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,
+                                   to_samples)
 from slime_sparse.rollout.filter_hub import load_filters, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
@@ -56,11 +59,11 @@ def wandb_settings(log: LogConfig) -> WandbSettings:
 
 @dataclass
 class GeneratedRollout:
-    """The train batch's samples (whole groups, in stream order) with their dense log-probs, and the metrics
-    of generating them: rollout/* over every generated sample, dynamic sampling's counts, timings."""
+    """The train batch's samples (whole groups, in stream order) with their pi_old, and the metrics of generating
+    them: rollout/* over every generated sample, dynamic sampling's counts, timings."""
 
     samples: list[Sample] = field(default_factory=list)
-    logprobs: Recomputed = field(default_factory=lambda: Recomputed([], None))
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -72,7 +75,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
     back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once."""
     n, target = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
     filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
-    out = GeneratedRollout(logprobs=Recomputed([], [] if cfg.loss.use_kl_loss else None))
+    out = GeneratedRollout()
     generated: list[Sample] = []
     counts: Counter = Counter()
     t_rollout = t_recompute = 0.0
@@ -85,7 +88,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         samples = to_samples(records, outputs, n)
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
-        logprobs = dense_logprobs(samples, components.learner, cfg.correction, need_ref=cfg.loss.use_kl_loss)
+        old = dense_logprobs(samples, components.learner, cfg.correction)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
@@ -93,7 +96,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         components.stream.put_back(len(groups) - selection.judged)
         keep = [g * n + j for g in selection.kept for j in range(n)]
         out.samples += [samples[i] for i in keep]
-        out.logprobs.extend(logprobs.select(keep))
+        out.old_logprobs += [old[i] for i in keep]
         generated += samples
         counts.update({"rollout/groups_generated": len(groups), "rollout/groups_put_back": len(groups) - selection.judged,
                        "rollout/groups_dropped": sum(selection.dropped.values()), "rollout/gen_rounds": 1,
@@ -122,13 +125,16 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     rollout = generate_rollout(cfg, components, rollout_id)
     metrics = rollout.metrics
     per_step = []
-    t2 = time.perf_counter()
+    t_train = 0.0
     if rollout.samples:  # dynamic sampling may keep no group at all (counted above): then no optimizer step
-        prepared = prepare_rollout(rollout.samples, rollout.logprobs, cfg.correction,
-                                   normalize_std=cfg.rollout.grpo_std_normalization)
+        t1 = time.perf_counter()
+        prepared = prepare_rollout(rollout.samples, rollout.old_logprobs, components.learner, cfg.correction,
+                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.use_kl_loss)
+        metrics["perf/recompute_s"] += time.perf_counter() - t1
         metrics.update(prepared.metrics)
+        t2 = time.perf_counter()
         per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
-    t_train = time.perf_counter() - t2
+        t_train = time.perf_counter() - t2
     metrics.update(mean_over_steps(per_step))
 
     t3 = time.perf_counter()
