@@ -57,9 +57,11 @@ class RolloutConfig:
     grpo_std_normalization: bool = field(default=True, metadata={"help": (
         "divide GRPO advantages by the group's std; --disable-grpo-std-normalization: A = R - mean (Dr.GRPO)")})
     over_sampling_batch_size: int | None = field(default=None, metadata={"help": (
-        "prompts drawn per generation round (slime's; default --rollout-batch-size): rounds repeat until the batch "
-        "holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path; groups a round made but the "
-        "batch did not need go back to the prompt stream (slime drops them)")})
+        "prompts the first generation round draws (slime's; default --rollout-batch-size): rounds repeat until the "
+        "batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path. Later rounds draw what is "
+        "still needed over the pass rate so far, at most this many (slime: this many each time, but it aborts what "
+        "it does not need); groups a round made but the batch did not need go back to the prompt stream (slime "
+        "drops them)")})
     dynamic_sampling_filter_path: tuple[str, ...] = field(default=(), metadata={"help": (
         "dynamic-sampling filters (DAPO), each 'package.module.function' (slime's) or 'package.module:function', "
         "fn(cfg, samples) -> DynamicFilterOutput | bool per group; a group must pass each. Built in: "

@@ -24,7 +24,7 @@ from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,
                                    to_samples)
-from slime_sparse.rollout.filter_hub import load_filters, select_groups
+from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
 from slime_sparse.utils.checkpoint import checkpoint_to_resume
@@ -69,10 +69,10 @@ class GeneratedRollout:
 
 def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> GeneratedRollout:
     """Generation rounds until the batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path
-    (slime's dynamic sampling, DAPO), at most --dynamic-sampling-max-rounds of them. A round draws
-    --over-sampling-batch-size prompts, generates, scores, recomputes pi_old (the filters see which samples the
-    correction rejects) and judges its groups in stream order; the groups after the last one the batch needed go
-    back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once."""
+    (slime's dynamic sampling, DAPO), at most --dynamic-sampling-max-rounds of them. A round draws prompts
+    (`round_size`: --over-sampling-batch-size first), generates, scores, recomputes pi_old (the filters see which
+    samples the correction rejects) and judges its groups in stream order; the groups after the last one the batch
+    needed go back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once."""
     n, target = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
     filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
     out = GeneratedRollout()
@@ -80,7 +80,10 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
     counts: Counter = Counter()
     t_rollout = t_recompute = 0.0
     for round_id in range(cfg.rollout.dynamic_sampling_max_rounds):
-        records = components.stream.next_batch(cfg.rollout.sampling_batch_size)
+        kept = len(out.samples) // n
+        size = round_size(cfg.rollout.sampling_batch_size, need=target - kept, kept=kept,
+                          judged=kept + counts["rollout/groups_dropped"])
+        records = components.stream.next_batch(size)
         t0 = time.perf_counter()
         outputs = components.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
                                              seed=rollout_seed(cfg, rollout_id, round_id))

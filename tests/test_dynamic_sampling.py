@@ -12,7 +12,7 @@ from slime_sparse.pipeline import split_steps
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.rollout import filter_hub
 from slime_sparse.rollout.filter_hub import (DynamicFilterOutput, check_min_kept_samples, check_reward_nonzero_std,
-                                             load_filters, select_groups)
+                                             load_filters, round_size, select_groups)
 from slime_sparse.train import main
 from slime_sparse.types import Sample
 from tiny_runs import read_metrics, rollout_rows
@@ -60,6 +60,14 @@ def test_fallback_keeps_a_flat_group_only_when_the_round_cannot_fill_the_batch()
     # need 2 of 3: the flat group is dropped, the others fill the batch
     sel = select_groups([group(0, [1, 1]), group(1, [0, 1]), group(2, [1, 0])], fallback, _Cfg, need=2)
     assert sel.kept == [1, 2] and dict(sel.dropped) == {"zero_std_1.0": 1}
+
+
+def test_later_rounds_draw_what_is_needed_at_the_pass_rate_so_far():
+    assert round_size(24, need=16, kept=0, judged=0) == 24  # the first round: --over-sampling-batch-size
+    assert round_size(24, need=5, kept=11, judged=16) == 8  # ceil(5 * 16 / 11)
+    assert round_size(24, need=5, kept=16, judged=16) == 5  # everything passed so far: what is still needed
+    assert round_size(24, need=10, kept=1, judged=16) == 24  # a low rate: at most --over-sampling-batch-size
+    assert round_size(24, need=16, kept=0, judged=16) == 24  # nothing passed yet
 
 
 def test_filters_load_by_slime_path_bare_name_and_module_path():
@@ -136,6 +144,20 @@ def test_filtered_run_trains_on_full_batches_with_hand_counted_metrics(assets, t
         assert math.isclose(row["rollout/gen_tokens"], 16 * row["rollout/response_len_mean"])
         assert row["rollout/gen_tokens_per_train_token"] > 1.0
         assert 0 <= row["rollout/effective_batch_size"] <= 8
+
+
+def test_a_second_round_fills_the_batch(assets, tmp_path):
+    run = tmp_path / "run"
+    assert main(args(assets, run, 2, "--over-sampling-batch-size", "3",
+                     "--dynamic-sampling-filter-path", "tiny_runs:keep_every_third")) == 0
+    # rollout 1: round 1 draws 0-2 (0 kept, 1 and 2 dropped); at a pass rate of 1/3 round 2 draws 3 prompts, 3-5:
+    # 3 kept (batch full), 4 and 5 put back. Rollout 2: 4, 5 dropped, 6 kept; then 7, 8 dropped, 9 kept
+    hand = [dict(generated=6, dropped=2, put_back=2, consumed=4), dict(generated=6, dropped=4, put_back=0, consumed=10)]
+    for step, (row, h) in enumerate(zip(rollout_rows(run), hand), start=1):
+        assert (row["rollout/gen_rounds"], row["rollout/groups_kept"], row["correction/seqs"]) == (2, 2, 8)
+        assert row["rollout/groups_generated"] == h["generated"] and row["rollout/groups_dropped"] == h["dropped"]
+        assert row["rollout/groups_put_back"] == h["put_back"] and row["rollout/dynamic_filter/drop_filtered"] == h["dropped"]
+        assert data_state(run, step)["consumed"] == h["consumed"]
 
 
 def test_bound_on_rounds_trains_on_what_it_kept_and_says_so(assets, tmp_path, caplog):

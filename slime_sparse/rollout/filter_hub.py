@@ -4,8 +4,9 @@ train batch. Pure functions over `Sample`s, shared by every engine.
 A filter is `fn(cfg, samples, **kwargs) -> DynamicFilterOutput | bool`, called once per group (the
 --n-samples-per-prompt samples of one prompt, rewards assigned and `Sample.rejected` set by the sparsity
 correction); `cfg` is the run config (slime passes its args). The loop in `slime_sparse.train` draws
---over-sampling-batch-size prompts per round and judges their groups in stream order with `select_groups` until
-the batch holds --rollout-batch-size kept groups; the groups it did not need go back to the prompt stream.
+--over-sampling-batch-size prompts in its first round (later ones: `round_size`) and judges their groups in stream
+order with `select_groups` until the batch holds --rollout-batch-size kept groups; the groups it did not need go
+back to the prompt stream.
 
 Built in (name them in --dynamic-sampling-filter-path by their bare names or full paths; several paths: a group
 must pass each):
@@ -18,6 +19,7 @@ slime's paths of its two filters (`slime.rollout.filter_hub.dynamic_sampling_fil
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -109,3 +111,13 @@ def select_groups(groups: Sequence[list[Sample]], filters: Sequence[Callable], c
         else:
             sel.dropped[verdict.reason or "filtered"] += 1
     return sel
+
+
+def round_size(first: int, need: int, kept: int, judged: int) -> int:
+    """Prompts the next generation round draws: `first` (--over-sampling-batch-size) for the first round; after it,
+    the groups the batch still `need`s over the pass rate seen so far (`kept` of `judged`), at least `need` and at
+    most `first`. slime draws `first` every time, but its rounds are asynchronous and abort what is not needed;
+    ours run whole, so a fixed size would generate groups only to put them back."""
+    if kept == 0:  # the first round, or nothing passed yet: no rate to go by
+        return first
+    return min(first, max(need, math.ceil(need * judged / kept)))
