@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from slime_sparse.config import load_config
+from slime_sparse.config import RunConfig, load_config
 from slime_sparse.pipeline import split_steps
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.rollout import filter_hub
@@ -109,6 +109,8 @@ def test_flags_parse_in_slime_spelling(assets, tmp_path):
     assert r.dynamic_sampling_filter_path == (
         "slime.rollout.filter_hub.dynamic_sampling_filters.check_reward_nonzero_std", "check_min_kept_samples")
     assert load_config(args(assets, tmp_path, 1)).rollout.sampling_batch_size == 2  # slime: --rollout-batch-size
+    yaml_cfg = RunConfig.from_dict({"rollout": {"dynamic_sampling_filter_path": "check_min_kept_samples"}})  # YAML
+    assert yaml_cfg.rollout.dynamic_sampling_filter_path == ("check_min_kept_samples",)
     for bad, flag in ((["--over-sampling-batch-size", "1"], "--over-sampling-batch-size=1 must be >="),
                       (["--dynamic-sampling-filter-path", "nowhere.f"], "--dynamic-sampling-filter-path"),
                       (["--dynamic-sampling-min-kept-samples", "5"], "--dynamic-sampling-min-kept-samples=5"),
