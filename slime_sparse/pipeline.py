@@ -81,15 +81,15 @@ class PreparedRollout:
 
 def prepare_rollout(
     samples: list[Sample],
-    old: list[torch.Tensor],
     learner,
     correction: CorrectionConfig,
     *,
     normalize_std: bool = True,
     need_ref: bool = False,
+    old: list[torch.Tensor] | None = None,
 ) -> PreparedRollout:
-    """Advantages, the dense pi_ref recompute (for the KL loss) and the sparsity correction over the whole train
-    batch, given its pi_old (`dense_logprobs`).
+    """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
+    the sparsity correction over the whole train batch.
 
     The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
     of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
@@ -100,6 +100,7 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
+    old = dense_logprobs(samples, learner, correction) if old is None else old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
     logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
