@@ -132,7 +132,7 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     if rollout.samples:  # dynamic sampling may keep no group at all (counted above): then no optimizer step
         t1 = time.perf_counter()
         prepared = prepare_rollout(rollout.samples, components.learner, cfg.correction, old=rollout.old_logprobs,
-                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.use_kl_loss)
+                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref)
         metrics["perf/recompute_s"] += time.perf_counter() - t1
         metrics.update(prepared.metrics)
         t2 = time.perf_counter()
