@@ -86,7 +86,7 @@ class RolloutConfig:
 
     @property
     def sampling_batch_size(self) -> int:
-        """--over-sampling-batch-size as resolved: prompts drawn per generation round."""
+        """--over-sampling-batch-size as resolved: prompts the first generation round draws."""
         return self.over_sampling_batch_size or self.rollout_batch_size
 
     def validate(self) -> None:

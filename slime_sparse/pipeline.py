@@ -125,8 +125,8 @@ def prepare_rollout(
 def split_steps(batch: TrainBatch, n_steps: int) -> list[TrainBatch]:
     """Cut a rollout into `n_steps` global batches (in order, like slime), each with its own normalisers: the
     one place the loop sets them (learners and the Ray learner group only read them). A batch that dynamic
-    sampling could not fill still takes `n_steps` steps (sizes differing by at most one; none empty), so the
-    lr schedule keeps its place."""
+    sampling could not fill still takes `n_steps` steps (sizes differing by at most one), so the lr schedule keeps
+    its place; fewer only when it holds fewer samples than that (no step is empty)."""
     size, longer = divmod(len(batch), n_steps)
     out, start = [], 0
     for k in range(n_steps):
