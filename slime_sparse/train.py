@@ -27,7 +27,7 @@ from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollo
 from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
-from slime_sparse.utils.checkpoint import checkpoint_to_resume
+from slime_sparse.utils.checkpoint import checkpoint_to_resume, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
 
