@@ -29,6 +29,7 @@ from slime_sparse.flags import (ARG, DISABLE_PREFIX, FIXED, NO_FLAG, PASSTHROUGH
                                 flag_for)
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.reward import RewardConfig
+from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig, split_passthrough
 from slime_sparse.utils.checkpoint import STATE_FILE
@@ -55,16 +56,42 @@ class RolloutConfig:
         "grpo with --disable-grpo-std-normalization")})
     grpo_std_normalization: bool = field(default=True, metadata={"help": (
         "divide GRPO advantages by the group's std; --disable-grpo-std-normalization: A = R - mean (Dr.GRPO)")})
+    over_sampling_batch_size: int | None = field(default=None, metadata={"help": (
+        "prompts the first generation round draws (slime's; default --rollout-batch-size): rounds repeat until the "
+        "batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path. Later rounds draw what is "
+        "still needed over the pass rate so far, at most this many (slime: this many each time, but it aborts what "
+        "it does not need); groups a round made but the batch did not need go back to the prompt stream (slime "
+        "drops them)")})
+    dynamic_sampling_filter_path: tuple[str, ...] = field(default=(), metadata={"help": (
+        "dynamic-sampling filters (DAPO), each 'package.module.function' (slime's) or 'package.module:function', "
+        "fn(cfg, samples) -> DynamicFilterOutput | bool per group; a group must pass each. Built in: "
+        "check_reward_nonzero_std (drop groups of equal rewards), check_reward_nonzero_std_with_fallback, "
+        "check_min_kept_samples (drop groups with fewer than --dynamic-sampling-min-kept-samples samples the "
+        "sparsity correction kept); see slime_sparse/rollout/filter_hub.py")})
+    dynamic_sampling_min_kept_samples: int = field(default=1, metadata={"help": (
+        "check_min_kept_samples: the fewest samples of a group the sparsity correction must keep (not in slime)")})
+    dynamic_sampling_max_rounds: int = field(default=10, metadata={"help": (
+        "generation rounds per rollout, the first included (verl's max_num_gen_batches; slime has no bound): when "
+        "they are spent the rollout trains on the groups it has, with a warning and "
+        "rollout/dynamic_sampling_exhausted = 1")})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "RolloutConfig":
         values = dict(values)
+        if isinstance(values.get("dynamic_sampling_filter_path"), str):  # one path (YAML)
+            values["dynamic_sampling_filter_path"] = (values["dynamic_sampling_filter_path"],)
         if values.get("advantage_estimator") == DR_GRPO:
             values.update(advantage_estimator="grpo", grpo_std_normalization=False)
         return cls(**values)
 
+    @property
+    def sampling_batch_size(self) -> int:
+        """--over-sampling-batch-size as resolved: prompts the first generation round draws."""
+        return self.over_sampling_batch_size or self.rollout_batch_size
+
     def validate(self) -> None:
-        _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size")
+        _positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
+        _non_negative(self, "dynamic_sampling_min_kept_samples")
         _choice(self, "engine", ROLLOUT_ENGINES)
         _choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
         if self.n_samples_per_prompt == 1:
@@ -74,6 +101,14 @@ class RolloutConfig:
                              f"{_flag(self, 'advantage_estimator')}={self.advantage_estimator}: its baseline is the "
                              "mean reward of each prompt's samples, so one sample per prompt gets advantage 0 and "
                              "nothing is learned; use >= 2")
+        if self.sampling_batch_size < self.rollout_batch_size:
+            raise ValueError(f"{_flag(self, 'over_sampling_batch_size')}={self.over_sampling_batch_size} must be >= "
+                             f"{_flag(self, 'rollout_batch_size')}={self.rollout_batch_size} (slime's rule)")
+        if self.dynamic_sampling_min_kept_samples > self.n_samples_per_prompt:
+            raise ValueError(f"{_flag(self, 'dynamic_sampling_min_kept_samples')}={self.dynamic_sampling_min_kept_samples}"
+                             f" exceeds {_flag(self, 'n_samples_per_prompt')}={self.n_samples_per_prompt}: every "
+                             "group would be dropped")
+        load_filters(self.dynamic_sampling_filter_path)  # a path that does not import fails here, naming the flag
 
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine")

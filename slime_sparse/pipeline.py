@@ -37,20 +37,40 @@ def to_samples(records: list, outputs: list[GenerationOutput], n_samples: int) -
 
 
 def assign_rewards(samples: list[Sample], tokenizer, reward_fn) -> dict[str, float]:
+    """Score `samples` in place; returns the reward function's counters (reward/..., counts: they add up)."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     extras = [{"finish_reason": s.finish_reason} for s in samples]  # e.g. "no reward for a truncated answer"
     rewards, counters = reward_fn(texts, [s.label for s in samples], extras)
     for s, r in zip(samples, rewards):
         s.reward = float(r)
+    return {f"reward/{k}": float(v) for k, v in counters.items()}
+
+
+def response_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Reward and length statistics of generated samples."""
     lengths = [len(s.response_ids) for s in samples]
-    metrics = {
-        "rollout/reward_mean": sum(rewards) / len(rewards),
+    return {
+        "rollout/reward_mean": sum(s.reward for s in samples) / len(samples),
         "rollout/response_len_mean": sum(lengths) / len(lengths),
         "rollout/response_len_max": float(max(lengths)),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
     }
-    metrics.update({f"reward/{k}": float(v) for k, v in counters.items()})
-    return metrics
+
+
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig) -> list[torch.Tensor]:
+    """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
+    (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples)."""
+    tokens = [s.prompt_ids + s.response_ids for s in samples]
+    response_lens = [len(s.response_ids) for s in samples]
+    if min(response_lens) == 0:
+        raise ValueError("a sample has an empty response; engines must return at least one token")
+    old = learner.compute_logprobs(tokens, response_lens)
+    logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
+    kept = sparsity_correction(pad_right(old, 0.0, dtype=torch.float32), logp_sparse, response_mask(response_lens),
+                               correction).seq_kept
+    for s, k in zip(samples, kept.tolist()):
+        s.rejected = not k
+    return old
 
 
 @dataclass
@@ -66,8 +86,10 @@ def prepare_rollout(
     *,
     normalize_std: bool = True,
     need_ref: bool = False,
+    old: list[torch.Tensor] | None = None,
 ) -> PreparedRollout:
-    """Advantages, dense pi_old (and pi_ref) recompute, and the sparsity correction over the whole rollout.
+    """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
+    the sparsity correction over the whole train batch.
 
     The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
     of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
@@ -78,17 +100,16 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
-    if min(response_lens) == 0:
-        raise ValueError("a sample has an empty response; engines must return at least one token")
-    old = learner.compute_logprobs(tokens, response_lens)
+    old = dense_logprobs(samples, learner, correction) if old is None else old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
-
     logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
     mask = response_mask(response_lens)
     corr = sparsity_correction(logp_old, logp_sparse, mask, correction)
 
     metrics = {**adv_metrics, **corr.metrics, **mismatch_metrics(logp_old, logp_sparse, mask), **kv_metrics([s.kv for s in samples])}
+    # samples that carry a policy gradient: a nonzero advantage and a token the correction kept
+    metrics["rollout/effective_batch_size"] = float(((advantages != 0) & corr.seq_kept).sum())
     batch = TrainBatch(
         tokens=tokens,
         response_lens=response_lens,
@@ -103,11 +124,16 @@ def prepare_rollout(
 
 def split_steps(batch: TrainBatch, n_steps: int) -> list[TrainBatch]:
     """Cut a rollout into `n_steps` global batches (in order, like slime), each with its own normalisers: the
-    one place the loop sets them (learners and the Ray learner group only read them)."""
-    size = len(batch) // n_steps
-    out = []
+    one place the loop sets them (learners and the Ray learner group only read them). A batch that dynamic
+    sampling could not fill still takes `n_steps` steps (sizes differing by at most one), so the lr schedule keeps
+    its place; fewer only when it holds fewer samples than that (no step is empty)."""
+    size, longer = divmod(len(batch), n_steps)
+    out, start = [], 0
     for k in range(n_steps):
-        part = batch.select(list(range(k * size, (k + 1) * size)))
-        part.num_seqs, part.num_tokens = part.kept_counts()
-        out.append(part)
+        end = start + size + (k < longer)
+        if end > start:
+            part = batch.select(list(range(start, end)))
+            part.num_seqs, part.num_tokens = part.kept_counts()
+            out.append(part)
+        start = end
     return out

@@ -1,7 +1,8 @@
 """The Sparse-RL training loop: one loop for every combination of rollout engine and learner backend.
 
-rollout (n samples per prompt, compressed KV) -> reward -> group advantages -> dense recompute of
-pi_old (and pi_ref) -> sparsity correction -> optimizer steps -> weight sync -> metrics -> eval/checkpoint.
+rollout (n samples per prompt, compressed KV) -> reward -> dense recompute of pi_old -> dynamic-sampling
+filters (more rounds until the batch is full) -> group advantages -> pi_ref -> sparsity correction -> optimizer
+steps -> weight sync -> metrics -> eval/checkpoint.
 
     slime-sparse-train --hf-checkpoint MODEL_DIR --prompt-data train.jsonl --kv-method rkv --kv-budget 512 ...
 """
@@ -12,12 +13,20 @@ import logging
 import os
 import sys
 import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
 
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
-from slime_sparse.pipeline import assign_rewards, prepare_rollout, split_steps, to_samples
+from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,
+                                   to_samples)
+from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
+from slime_sparse.rollout.sampling import derive_seed
+from slime_sparse.types import Sample
 from slime_sparse.utils.checkpoint import checkpoint_to_resume, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
@@ -30,9 +39,11 @@ class StartupError(ValueError):
     match the data ...): main() reports it as one line, like a bad flag."""
 
 
-def rollout_seed(cfg: RunConfig, rollout_id: int) -> int:
-    """Sampling seed of one rollout: a pure function of (seed, rollout id), so a resumed run draws the same."""
-    return cfg.train.seed * 1_000_003 + rollout_id
+def rollout_seed(cfg: RunConfig, rollout_id: int, round_id: int = 0) -> int:
+    """Sampling seed of one generation round of a rollout: a pure function of (seed, rollout id, round), so a
+    resumed run draws the same. Round 0 (the only one without dynamic sampling) keeps the plain formula."""
+    seed = cfg.train.seed * 1_000_003 + rollout_id
+    return seed if round_id == 0 else derive_seed(seed, -round_id)
 
 
 def is_due(step: int, interval: int, last_step: int) -> bool:
@@ -46,38 +57,95 @@ def wandb_settings(log: LogConfig) -> WandbSettings:
                          name=log.wandb_run_name, mode=log.wandb_mode, host=log.wandb_host)
 
 
+@dataclass
+class GeneratedRollout:
+    """The train batch's samples (whole groups, in stream order) with their pi_old, and the metrics of generating
+    them: rollout/* over every generated sample, dynamic sampling's counts, timings."""
+
+    samples: list[Sample] = field(default_factory=list)
+    old_logprobs: list[torch.Tensor] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> GeneratedRollout:
+    """Generation rounds until the batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path
+    (slime's dynamic sampling, DAPO), at most --dynamic-sampling-max-rounds of them. A round draws prompts
+    (`round_size`: --over-sampling-batch-size first), generates, scores, recomputes pi_old (the filters see which
+    samples the correction rejects) and judges its groups in stream order; the groups after the last one the batch
+    needed go back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once."""
+    n, target = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
+    filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
+    out = GeneratedRollout()
+    generated: list[Sample] = []
+    counts: Counter = Counter()
+    t_rollout = t_recompute = 0.0
+    for round_id in range(cfg.rollout.dynamic_sampling_max_rounds):
+        kept = len(out.samples) // n
+        size = round_size(cfg.rollout.sampling_batch_size, need=target - kept, kept=kept,
+                          judged=kept + counts["rollout/groups_dropped"])
+        records = components.stream.next_batch(size)
+        t0 = time.perf_counter()
+        outputs = components.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
+                                             seed=rollout_seed(cfg, rollout_id, round_id))
+        t_rollout += time.perf_counter() - t0
+        samples = to_samples(records, outputs, n)
+        counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
+        t1 = time.perf_counter()
+        old = dense_logprobs(samples, components.learner, cfg.correction)
+        t_recompute += time.perf_counter() - t1
+
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        selection = select_groups(groups, filters, cfg, target - len(out.samples) // n)
+        components.stream.put_back(len(groups) - selection.judged)
+        keep = [g * n + j for g in selection.kept for j in range(n)]
+        out.samples += [samples[i] for i in keep]
+        out.old_logprobs += [old[i] for i in keep]
+        generated += samples
+        counts.update({"rollout/groups_generated": len(groups), "rollout/groups_put_back": len(groups) - selection.judged,
+                       "rollout/groups_dropped": sum(selection.dropped.values()), "rollout/gen_rounds": 1,
+                       **{f"rollout/dynamic_filter/drop_{k}": v for k, v in selection.dropped.items()}})
+        if len(out.samples) == target * n:
+            break
+    else:
+        logger.warning("rollout %d: dynamic sampling kept %d of --rollout-batch-size=%d groups in "
+                       "--dynamic-sampling-max-rounds=%d rounds; training on those", rollout_id,
+                       len(out.samples) // n, target, cfg.rollout.dynamic_sampling_max_rounds)
+    gen_tokens = sum(len(s.response_ids) for s in generated)
+    train_tokens = sum(len(s.response_ids) for s in out.samples)
+    out.metrics = {
+        **response_metrics(generated), **{k: float(v) for k, v in counts.items()},
+        "rollout/groups_kept": len(out.samples) / n,
+        "rollout/dynamic_sampling_exhausted": float(len(out.samples) < target * n),
+        "rollout/gen_tokens": float(gen_tokens),
+        "rollout/gen_tokens_per_train_token": gen_tokens / max(train_tokens, 1),
+        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute,
+        "perf/rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+    }
+    return out
+
+
 def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict[str, float]:
-    n = cfg.rollout.n_samples_per_prompt
-    records = components.stream.next_batch()
-    prompts = [r.prompt_ids for r in records for _ in range(n)]
-
-    t0 = time.perf_counter()
-    outputs = components.engine.generate(prompts, cfg.sampling, seed=rollout_seed(cfg, rollout_id))
-    t_rollout = time.perf_counter() - t0
-    samples = to_samples(records, outputs, n)
-    metrics = assign_rewards(samples, components.tokenizer, components.reward_fn)
-
-    t1 = time.perf_counter()
-    prepared = prepare_rollout(
-        samples, components.learner, cfg.correction,
-        normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
-    )
-    t_recompute = time.perf_counter() - t1
-    metrics.update(prepared.metrics)
-
-    t2 = time.perf_counter()
-    per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
-    t_train = time.perf_counter() - t2
+    rollout = generate_rollout(cfg, components, rollout_id)
+    metrics = rollout.metrics
+    per_step = []
+    t_train = 0.0
+    if rollout.samples:  # dynamic sampling may keep no group at all (counted above): then no optimizer step
+        t1 = time.perf_counter()
+        prepared = prepare_rollout(rollout.samples, components.learner, cfg.correction, old=rollout.old_logprobs,
+                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref)
+        metrics["perf/recompute_s"] += time.perf_counter() - t1
+        metrics.update(prepared.metrics)
+        t2 = time.perf_counter()
+        per_step = [components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
+        t_train = time.perf_counter() - t2
     metrics.update(mean_over_steps(per_step))
 
     t3 = time.perf_counter()
     components.sync_weights()
     t_sync = time.perf_counter() - t3
 
-    n_tokens = sum(len(s.response_ids) for s in samples)
     metrics.update({
-        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute, "perf/train_s": t_train, "perf/sync_s": t_sync,
-        "perf/rollout_tokens_per_s": n_tokens / max(t_rollout, 1e-9),
+        "perf/train_s": t_train, "perf/sync_s": t_sync,
         "rollout/weight_version": float(components.engine.weight_version),
     })
     return metrics
@@ -121,7 +189,8 @@ def train(cfg: RunConfig) -> dict:
             summary["last"] = metrics
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
-                                 rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}")
+                                 rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",
+                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}")
             if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
                 summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
             if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):

@@ -53,4 +53,5 @@ class Sample:
     reward: float = 0.0
     kv: KVStats = field(default_factory=KVStats)
     weight_version: int = 0
+    rejected: bool = False  # the sparsity correction kept none of its tokens (set once pi_old is known)
     metadata: dict = field(default_factory=dict)

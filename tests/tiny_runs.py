@@ -24,3 +24,16 @@ def read_metrics(run_dir) -> list[dict]:
 
 def rollout_rows(run_dir) -> list[dict]:
     return [r for r in read_metrics(run_dir) if "rollout/reward_mean" in r]
+
+
+def keep_even_positions(cfg, samples):
+    """A dynamic-sampling filter with a known outcome: keep the groups of even stream positions."""
+    from slime_sparse.rollout.filter_hub import DynamicFilterOutput
+
+    keep = samples[0].prompt_index % 2 == 0
+    return DynamicFilterOutput(keep=keep, reason=None if keep else "odd")
+
+
+def keep_every_third(cfg, samples):
+    """Keep positions 0, 3, 6, ... (a bare bool, slime's older filter form)."""
+    return samples[0].prompt_index % 3 == 0

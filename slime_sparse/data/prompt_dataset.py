@@ -298,11 +298,12 @@ class PromptStream:
         # Seeding with the pair (seed, epoch) gives independent streams: (1, 1) and (2, 0) never collide.
         return np.random.default_rng([self.seed, epoch]).permutation(n)
 
-    def next_batch(self) -> list[PromptRecord]:
-        """The next `batch_size` prompts (possibly spanning an epoch boundary)."""
+    def next_batch(self, size: int | None = None) -> list[PromptRecord]:
+        """The next `size` prompts (default `batch_size`; possibly spanning an epoch boundary)."""
+        size = self.batch_size if size is None else size
         n = len(self.dataset)
         batch = []
-        for index in range(self.consumed, self.consumed + self.batch_size):
+        for index in range(self.consumed, self.consumed + size):
             epoch, pos = divmod(index, n)
             if epoch != self._order_epoch:
                 if epoch == self.num_epochs and pos == 0:
@@ -310,8 +311,15 @@ class PromptStream:
                 self._order, self._order_epoch = self.epoch_order(epoch), epoch
             p = self.dataset[int(self._order[pos])]
             batch.append(_record(p, index=index, epoch=epoch))
-        self.consumed += self.batch_size
+        self.consumed += size
         return batch
+
+    def put_back(self, count: int) -> None:
+        """Return the last `count` prompts handed out: the next batch starts with them, same order and indices
+        (dynamic sampling gives back the groups a rollout generated but did not need)."""
+        if not _is_int(count) or not 0 <= count <= self.consumed:
+            raise ValueError(f"cannot put back {count!r} prompts: {self.consumed} were handed out")
+        self.consumed -= count
 
     def __iter__(self) -> Iterator[list[PromptRecord]]:
         """The batches left of the --num-epoch budget."""

@@ -2,72 +2,27 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 
 from slime_sparse.reward.registry import Grader, get_registered_reward
+from slime_sparse.utils.imports import load_function
 
 
 def load_custom_reward(path: str) -> Grader:
-    """Import the grader named by `--custom-rm-path`.
-
-    Accepts `package.module:function` and, like slime, `package.module.function`. The module may live in the
-    working directory (as with `python -m`, also under the `slime-sparse-train` console script, whose
-    sys.path lacks it; it is appended, so it never shadows an installed package). The function must be
-    synchronous with signature `fn(response: str, label, **kwargs) -> float`. (slime's own custom rewards
-    are `async def fn(args, sample)`; they must be wrapped.) Errors are ValueErrors naming the flag.
+    """Import the grader named by `--custom-rm-path` (`package.module:function` or, like slime,
+    `package.module.function`; see utils.imports.load_function). The function must be synchronous with
+    signature `fn(response: str, label, **kwargs) -> float`. (slime's own custom rewards are
+    `async def fn(args, sample)`; they must be wrapped.) Errors are ValueErrors naming the flag.
     """
-    if not isinstance(path, str) or not path.strip():
-        raise ValueError(f"--custom-rm-path must be 'module.path:function', got {path!r}")
-    path = path.strip()
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
+    fn = load_function(path, "--custom-rm-path")
+    if inspect.iscoroutinefunction(fn):
         raise ValueError(
-            f"--custom-rm-path {path!r} must name a module and a function, as 'module.path:function' "
-            "or 'module.path.function'"
-        )
-    try:
-        module = _import_from_here(module_name)
-    except ImportError as exc:
-        raise ValueError(f"--custom-rm-path {path!r}: cannot import module {module_name!r} ({exc})") from exc
-
-    obj = module
-    for part in attr.split("."):  # allows `module:Class.staticmethod`
-        if not hasattr(obj, part):
-            raise ValueError(f"--custom-rm-path {path!r}: module {module_name!r} has no function {attr!r}")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise ValueError(f"--custom-rm-path {path!r}: {attr!r} is a {type(obj).__name__}, not a function")
-    if inspect.iscoroutinefunction(obj):
-        raise ValueError(
-            f"--custom-rm-path {path!r}: {attr!r} is async; rewards here are synchronous "
+            f"--custom-rm-path {path.strip()!r}: {fn.__name__!r} is async; rewards here are synchronous "
             "fn(response: str, label, **kwargs) -> float (they already run in worker processes)"
         )
-    return obj
-
-
-def _import_from_here(module_name: str):
-    """import_module, retried with the working directory on sys.path when the module is not found."""
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        top = module_name.split(".")[0]
-        here = os.getcwd()
-        if exc.name != top or here in sys.path or "" in sys.path or not _in_directory(here, top):
-            raise
-        sys.path.append(here)  # also what worker processes get (they inherit our sys.path)
-        return importlib.import_module(module_name)
-
-
-def _in_directory(directory: str, top: str) -> bool:
-    return os.path.isfile(os.path.join(directory, f"{top}.py")) or os.path.isdir(os.path.join(directory, top))
+    return fn
 
 
 @dataclass(frozen=True)

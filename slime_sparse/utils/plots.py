@@ -12,8 +12,10 @@ from slime_sparse.utils.logging import read_metrics
 
 logger = logging.getLogger(__name__)
 
-# Reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL).
-DEFAULT_PLOT_KEYS = ("rollout/reward_mean", "kv/savings", "correction/seq_reject_rate", "mismatch/k3")
+# Reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL), samples that carry a gradient, and
+# what dynamic sampling costs (tokens generated per token trained; 1 without it).
+DEFAULT_PLOT_KEYS = ("rollout/reward_mean", "kv/savings", "correction/seq_reject_rate", "mismatch/k3",
+                     "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
 SUMMARY_FILE = "summary.png"
 
 
