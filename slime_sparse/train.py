@@ -24,6 +24,7 @@ from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,
                                    to_samples)
+from slime_sparse.preflight import no_gradient_warning, start_warnings, warn
 from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
@@ -160,6 +161,8 @@ def train(cfg: RunConfig) -> dict:
         components = build_components(cfg)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
+    for line in start_warnings(cfg, max(len(p.prompt_ids) for p in components.stream.dataset.prompts)):
+        warn(line)
     save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
 
     start = 0
@@ -176,6 +179,7 @@ def train(cfg: RunConfig) -> dict:
                                 wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"evals": {}}
+    no_gradient_warned = False
     try:
         if start == 0 and components.eval_sets:
             summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=metrics_log)
@@ -184,6 +188,9 @@ def train(cfg: RunConfig) -> dict:
             metrics = run_rollout(cfg, components, rollout_id)
             step = rollout_id + 1
             metrics_log.log(step, metrics)
+            if not no_gradient_warned and (line := no_gradient_warning(step, metrics)):
+                warn(line)
+                no_gradient_warned = True
             if rollout_id == start:
                 summary["first"] = metrics
             summary["last"] = metrics
