@@ -606,10 +606,75 @@ def _check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]
 
 
 def _read_yaml(path: str) -> Mapping[str, Mapping[str, Any]]:
+    """{section: {field: value}} of a --config file, each value checked against its field's type."""
     if not os.path.isfile(path):
         raise ValueError(f"--config={path!r} does not exist")
     with open(path, encoding="utf-8") as fh:
-        return _check_sections(yaml.safe_load(fh) or {}, path)
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"--config {path}: must be a mapping {{section: {{field: value}}}}, got a "
+                         f"{type(raw).__name__}")
+    _check_sections(raw, path)
+    return {section: {key: _yaml_value(section, key, value, path) for key, value in values.items()}
+            for section, values in raw.items()}
+
+
+def _yaml_value(section: str, key: str, value: Any, path: str) -> Any:
+    """`value` of field `section.key` from YAML file `path`, checked against the field's annotation (unknown fields
+    pass through: build_section names them). YAML types its own values, so nothing is parsed from strings, except
+    floats: PyYAML reads `1e-6` (no dot) as a string."""
+    cls = SECTION_TYPES[section]
+    if key not in {f.name for f in fields(cls)}:
+        return value
+    tp = _field_type(cls, key)
+    try:
+        return _typed(tp, value)
+    except TypeError:
+        raise ValueError(f"--config {path}: {section}.{key}: expected {_type_name(tp)}, got {value!r}") from None
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    """`value` as annotation `tp` (bool, int, float, str, Optional, tuple) or TypeError; no lossy conversion."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _typed(inner, value)
+    if origin is tuple:
+        elem = typing.get_args(tp)[0]
+        items = value if isinstance(value, (list, tuple)) else [value]  # one value: a one-element list
+        return tuple(_typed(elem, x) for x in items)
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise TypeError from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is int and isinstance(value, bool):  # a bool is an int to Python, not to a user
+        raise TypeError
+    if not isinstance(value, tp):
+        raise TypeError
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    return {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
