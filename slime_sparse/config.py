@@ -170,6 +170,9 @@ class TrainConfig:
     save_interval: int = field(default=0, metadata={"help": (
         "rollouts between checkpoints, 0: only at the end (slime: unset, no checkpoints); here every run can resume")})
     keep_last: int = field(default=2, metadata={"help": "checkpoints kept (older ones are deleted)"})
+    allow_config_change: bool = field(default=False, metadata={"help": (
+        "resume a checkpoint although model, data, sampling, kv, loss or correction settings differ from its own "
+        "(refused otherwise; schedule and logging flags may always change)")})
     eval_interval: int = field(default=0, metadata={"help": (
         "rollouts between evaluations, 0: only before and after training (slime: unset, no evaluation); with "
         "--eval-prompt-data here a run is always evaluated at both ends")})
