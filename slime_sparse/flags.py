@@ -52,6 +52,7 @@ FLAG_ALIASES: dict[str, str] = {
     "reward.timeout_s": "--rm-timeout",
     "reward.num_workers": "--rm-num-workers",
     "reward.memory_limit_mb": "--rm-memory-limit-mb",
+    "reward.max_error_rate": "--rm-max-error-rate",
     "log.progress": "--progress-bar",
     "cluster.ray_timeout_s": "--ray-timeout",
     "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)

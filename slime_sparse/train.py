@@ -30,6 +30,7 @@ from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollo
                                    to_samples)
 from slime_sparse.preflight import no_gradient_warning, start_warnings, warn
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config, experiment_changes, resume_candidates
+from slime_sparse.reward import RewardFailure
 from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
@@ -214,7 +215,8 @@ def train(cfg: RunConfig) -> dict:
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                                  rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",
-                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}")
+                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}",
+                                 rm_fail=int(metrics.get("reward/errors", 0) + metrics.get("reward/timeouts", 0)))
             if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
                 summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
             if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
@@ -309,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
         logger.debug("start-up failed", exc_info=True)  # the traceback, at DEBUG level
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RewardFailure as exc:  # the message carries the grader's traceback; ours would add nothing
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as exc:
         code = getattr(exc, "exit_code", 128 + signal.SIGINT)
         print(f"interrupted ({signal.Signals(code - 128).name}); rerun the command to resume from the last "
