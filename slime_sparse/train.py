@@ -42,6 +42,11 @@ logger = logging.getLogger("slime_sparse.train")
 SUMMARY_FILE = "summary.json"
 
 
+class StartupError(ValueError):
+    """Bad input met while a run starts (a malformed data row, too few prompts, a checkpoint that does not
+    match the data ...): main() reports it as one line, like a bad flag."""
+
+
 def rollout_seed(cfg: RunConfig, rollout_id: int, round_id: int = 0) -> int:
     """Sampling seed of one generation round of a rollout: a pure function of (seed, rollout id, round), so a
     resumed run draws the same. Round 0 (the only one without dynamic sampling) keeps the plain formula."""
@@ -152,11 +157,6 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
         "rollout/weight_version": float(components.engine.weight_version),
     })
     return metrics
-
-
-class StartupError(ValueError):
-    """Bad input met while a run starts (a malformed data row, too few prompts, a checkpoint that does not
-    match the data ...): main() reports it as one line, like a bad flag."""
 
 
 class Interrupted(KeyboardInterrupt):
