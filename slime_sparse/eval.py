@@ -127,7 +127,7 @@ def prepare_output(path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     from slime_sparse.config import load_config
     from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
-    from slime_sparse.reward import get_reward_fn
+    from slime_sparse.reward import RewardFailure, get_reward_fn
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -151,10 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     reward_fn = get_reward_fn(cfg.reward)
     engine = build_engine(EngineSpec.from_run(cfg))
     reports = {}
-    for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
-        report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
-                          n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
-        reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path, "kv": dataclasses.asdict(cfg.kv)}
+    try:
+        for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
+            report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
+                              n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
+            reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path,
+                             "kv": dataclasses.asdict(cfg.kv)}
+    except RewardFailure as exc:  # its message holds the grader's traceback
+        reward_fn.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     # one bare path: the report itself, as before; named sets: {name: report}
     out = reports[""] if list(reports) == [""] else reports
     with open(known.output, "w", encoding="utf-8") as fh:

@@ -15,9 +15,10 @@ from slime_sparse.config import RunConfig
 from slime_sparse.flags import flag_for
 from slime_sparse.utils.checkpoint import checkpoint_to_resume, list_checkpoints
 
-# sections compared whole, and single fields of other sections
+# sections compared whole (but for schedule fields in them), and single fields of other sections
 EXPERIMENT_SECTIONS = ("data", "sampling", "kv", "loss", "correction")
 EXPERIMENT_FIELDS = (("train", "hf_checkpoint"),)
+SCHEDULE_FIELDS = (("data", "num_epochs"),)  # more epochs for more rollouts: the prompt order stays the same
 CONFIG_KEY = "config"  # where Components.save_checkpoint puts the run config in a checkpoint's `extra`
 
 
@@ -40,7 +41,8 @@ def experiment_changes(saved: dict[str, Any] | None, current: dict[str, Any]) ->
     checkpoint that recorded none, nothing to compare) and the current one (both as `checkpoint_config` makes)."""
     if saved is None:
         return []
-    keys = [(s, name) for s in EXPERIMENT_SECTIONS for name in current.get(s, {})] + list(EXPERIMENT_FIELDS)
+    keys = [(s, name) for s in EXPERIMENT_SECTIONS for name in current.get(s, {}) if (s, name) not in SCHEDULE_FIELDS]
+    keys += list(EXPERIMENT_FIELDS)
     changes = []
     for section, name in keys:
         old, new = saved.get(section, {}).get(name), current.get(section, {}).get(name)

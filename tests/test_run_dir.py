@@ -143,3 +143,22 @@ def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as fh:
         return [int(p) for p in fh.read().split()]
 
+
+
+def test_experiment_changes_name_experiment_fields_only():
+    import dataclasses
+
+    from slime_sparse.config import RunConfig
+    from slime_sparse.resume import checkpoint_config, experiment_changes
+
+    base = RunConfig()
+    saved = checkpoint_config(base)
+    schedule = dataclasses.replace(base, train=dataclasses.replace(base.train, num_rollout=7, save_interval=3),
+                                   data=dataclasses.replace(base.data, num_epochs=4),
+                                   log=dataclasses.replace(base.log, progress=False))
+    assert experiment_changes(saved, checkpoint_config(schedule)) == []
+    experiment = dataclasses.replace(base, train=dataclasses.replace(base.train, hf_checkpoint="other"),
+                                     kv=dataclasses.replace(base.kv, budget=64))
+    assert experiment_changes(saved, checkpoint_config(experiment)) == ["--kv-budget 512 -> 64",
+                                                                        "--hf-checkpoint unset -> other"]
+    assert experiment_changes(None, checkpoint_config(experiment)) == []  # a checkpoint from before configs
