@@ -675,7 +675,8 @@ def _type_name(tp: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
     if origin is tuple:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        elem = typing.get_args(tp)[0]
+        return "a list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}.get(elem, str(elem))
     return {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 

@@ -103,7 +103,7 @@ def test_yaml_unknown_section_or_field(base_args, tmp_path):
     ('loss: {use_kl_loss: "no"}\n', "loss.use_kl_loss: expected a boolean (true / false), got 'no'"),
     ("rollout: {rollout_batch_size: 2.5}\n", "rollout.rollout_batch_size: expected an integer, got 2.5"),
     ("kv: {n_sink: true}\n", "kv.n_sink: expected an integer or null, got True"),
-    ("sampling: {stop_token_ids: [1, x]}\n", "sampling.stop_token_ids: expected a list of an integer, got [1, 'x']"),
+    ("sampling: {stop_token_ids: [1, x]}\n", "sampling.stop_token_ids: expected a list of integers, got [1, 'x']"),
     ("train: {lr: 1e-3\n", "not valid YAML at line 2, column 1"),
     ("- train\n", "must be a mapping {section: {field: value}}, got a list"),
 ])
