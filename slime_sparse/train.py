@@ -181,6 +181,7 @@ def train(cfg: RunConfig) -> dict:
             print(f"{cfg.log.run_dir}: the run is complete ({candidates[0]} is rollout {state['step']}, "
                   f"{flag_for('train', 'num_rollout')} is {cfg.train.num_rollout}): nothing to do; raise "
                   f"{flag_for('train', 'num_rollout')} to extend it", file=sys.stderr)
+            tidy_save_dir(save_dir, cfg.train.keep_last)  # only what a kill mid-save left (none after a clean end)
             return read_summary(cfg.log.run_dir)
     set_seed(cfg.train.seed)
     try:
