@@ -7,14 +7,19 @@ SGLANG_VERSION = re.search(r'SGLANG_VERSION = "([^"]+)"', open("sglang_patches/v
 
 # torch is bounded below only: install the build that fits your machine first
 # (CPU: `pip install torch==2.13.0`; GPU: the CUDA wheel your cluster uses).
+# The other lower bounds are what tools/check_min_versions.py installs and tests (README: "What pip installs").
+# transformers: the embedded engine calls Cache(layers=...) and DynamicCache(config=...) (4.56+) and registers an
+# attention function; its cache API moves between majors, hence the upper bound (tested up to 5.24).
 BASE = [
     "torch>=2.4",
-    "transformers>=4.50",
+    "transformers>=4.56,<6",
+    "tokenizers>=0.22",
+    "numpy>=2.0",  # the pyarrow datasets pulls today (26) refuses numpy 1.x
     "datasets>=2.19",
-    "safetensors>=0.4",
+    "safetensors>=0.4.3",
     "math-verify>=0.7",
-    "sympy>=1.12",
-    "pyyaml>=6.0",
+    "sympy>=1.13.3",  # torch 2.13 requires it
+    "pyyaml>=6.0.1",  # 6.0 has no wheel for Python 3.11+ and no longer builds from source
     "tqdm>=4.66",
     "tensorboard>=2.15",
     "matplotlib>=3.7",

@@ -15,6 +15,7 @@ from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
 from slime_sparse.eval import load_eval_sets
 from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner, load_tokenizer
 from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.reward import get_reward_fn
 from slime_sparse.utils.logging import progress_bar
 
@@ -47,7 +48,9 @@ class Components:
     def save_checkpoint(self, save_dir: str, step: int) -> str:
         path = os.path.join(save_dir, f"rollout_{step:06d}")
         # the learner owns its state (Ray: rank 0 writes it); the loop adds the data position
-        self.learner.save_checkpoint(path, step=step, data_state=self.stream.state_dict(), extra={},
+        # the run config too: a resume under other experiment settings is refused (resume.py)
+        extra = {CONFIG_KEY: checkpoint_config(self.cfg)}
+        self.learner.save_checkpoint(path, step=step, data_state=self.stream.state_dict(), extra=extra,
                                      tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last)
         return path
 

@@ -49,8 +49,9 @@ class RolloutConfig:
         "prompts per rollout (slime: required); 128 here, the paper's")})
     n_samples_per_prompt: int = field(default=8, metadata={"help": (
         "samples of each prompt, the GRPO group (slime's default 1); 8 here, the paper's")})
-    engine: str = "embedded"
-    max_batch_size: int = 64  # sequences decoded at once per engine
+    engine: str = field(default="embedded", metadata={"help": (
+        "embedded (pure PyTorch, in process or a Ray actor) | sglang (patched SGLang servers)")})
+    max_batch_size: int = field(default=64, metadata={"help": "sequences decoded at once per engine"})
     advantage_estimator: str = field(default="grpo", metadata={"help": (
         "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples; dr_grpo is accepted as the spelling of "
         "grpo with --disable-grpo-std-normalization")})
@@ -118,8 +119,10 @@ LR_DECAY_STYLES = ("constant", "linear", "cosine")
 class TrainConfig:
     SECTION: ClassVar[str] = "train"
 
-    hf_checkpoint: str = ""  # local HF model directory (weights + tokenizer)
-    train_backend: str = "embedded"
+    hf_checkpoint: str = field(default="", metadata={"help": (
+        "local Hugging Face model directory (weights + tokenizer); required")})
+    train_backend: str = field(default="embedded", metadata={"help": (
+        "embedded (plain PyTorch on the HF model) | megatron (megatron-core, tensor/pipeline parallel)")})
     num_rollout: int = field(default=100, metadata={"help": (
         "rollouts of the run (slime: computed from --num-epoch when unset); 100 here, the paper's")})
     global_batch_size: int = field(default=256, metadata={"help": (
@@ -136,7 +139,7 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": (
         "samples per micro-batch without dynamic batching (slime's default 1); ignored under "
         "--use-dynamic-batch-size, as in slime")})
-    lr: float = 1e-6
+    lr: float = field(default=1e-6, metadata={"help": "Adam learning rate (the paper's 1e-6)"})
     lr_decay_style: str = field(default="constant", metadata={"help": (
         "constant | linear | cosine, Megatron's schedules (from transformers on the embedded learner, Megatron's "
         "OptimizerParamScheduler on the Megatron one). slime inherits Megatron's default linear (to --min-lr over "
@@ -150,12 +153,12 @@ class TrainConfig:
     weight_decay: float = field(default=0.1, metadata={"help": (
         "AdamW weight decay, not on biases and norms (Megatron's default 0.01); 0.1 here, the paper's and slime's "
         "scripts'")})
-    adam_beta1: float = 0.9
+    adam_beta1: float = field(default=0.9, metadata={"help": "Adam beta1"})
     adam_beta2: float = field(default=0.98, metadata={"help": (
         "(Megatron's default 0.999); 0.98 here, the paper's and slime's scripts'")})
-    clip_grad: float = 1.0
-    bf16: bool = False
-    device: str = "auto"  # auto | cpu | cuda
+    clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip, 0: none"})
+    bf16: bool = field(default=False, metadata={"help": "bf16 weights and compute on the learner (fp32 otherwise)"})
+    device: str = field(default="auto", metadata={"help": "auto (cuda when available) | cpu | cuda"})
     seed: int = field(default=42, metadata={"help": (
         "seed of initialisation, sampling and data order (slime's default 1234); 42 here, the seed of the results "
         "this repository reports")})
@@ -163,10 +166,13 @@ class TrainConfig:
         "resume from the newest checkpoint in this directory (or from this checkpoint directory itself), as "
         "slime's --load; a directory without a checkpoint starts a fresh run. Default: --save's directory, so a "
         "rerun command resumes (slime starts fresh without --load)")})
-    save: str = ""  # checkpoint directory; default <run_dir>/checkpoints
+    save: str = field(default="", metadata={"help": "checkpoint directory; unset: <run-dir>/checkpoints"})
     save_interval: int = field(default=0, metadata={"help": (
         "rollouts between checkpoints, 0: only at the end (slime: unset, no checkpoints); here every run can resume")})
-    keep_last: int = 2
+    keep_last: int = field(default=2, metadata={"help": "checkpoints kept (older ones are deleted)"})
+    allow_config_change: bool = field(default=False, metadata={"help": (
+        "resume a checkpoint although model, data, sampling, kv, loss or correction settings differ from its own "
+        "(refused otherwise; schedule and logging flags may always change)")})
     eval_interval: int = field(default=0, metadata={"help": (
         "rollouts between evaluations, 0: only before and after training (slime: unset, no evaluation); with "
         "--eval-prompt-data here a run is always evaluated at both ends")})
@@ -228,14 +234,16 @@ class EvalConfig:
     eval_prompt_data: tuple[str, ...] = field(default=(), metadata={"help": (
         "evaluation sets as slime's NAME PATH [NAME PATH ...] (each logged as eval_<mode>/<NAME>/...), or one "
         "bare PATH (logged as eval_<mode>/...); local jsonl / parquet; none: no evaluation")})
-    n_samples_per_eval_prompt: int = 1
-    eval_max_prompts: int = 0  # 0: all
+    n_samples_per_eval_prompt: int = field(default=1, metadata={"help": (
+        "samples of each evaluation prompt (k of avg@k and pass@k)")})
+    eval_max_prompts: int = field(default=0, metadata={"help": "first prompts of each evaluation set used, 0: all"})
     eval_temperature: float = field(default=0.0, metadata={"help": (
         "sampling temperature of evaluation; slime's default is the rollout's, here 0 (greedy) so that pass@1 "
         "is deterministic. Evaluated densely and, if on, under the rollout's compression")})
-    eval_top_p: float | None = None  # None: --rollout-top-p
-    eval_top_k: int | None = None  # None: --rollout-top-k
-    eval_max_response_len: int | None = None  # None: --rollout-max-response-len
+    eval_top_p: float | None = field(default=None, metadata={"help": "top-p of evaluation; unset: --rollout-top-p"})
+    eval_top_k: int | None = field(default=None, metadata={"help": "top-k of evaluation; unset: --rollout-top-k"})
+    eval_max_response_len: int | None = field(default=None, metadata={"help": (
+        "response budget of evaluation; unset: --rollout-max-response-len")})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "EvalConfig":
@@ -279,20 +287,23 @@ WANDB_MODES = ("online", "offline", "disabled")
 class LogConfig:
     SECTION: ClassVar[str] = "log"
 
-    run_dir: str = "runs/default"
+    run_dir: str = field(default="runs/default", metadata={"help": (
+        "where config.yaml, metrics.jsonl, summary.json, TensorBoard events and (by default) checkpoints go")})
     use_tensorboard: bool = field(default=True, metadata={"help": (
         "TensorBoard events (and the run config as text) under <run-dir>/tensorboard; slime: off by default, here "
         "on so that every run's curves can be looked at (--no-use-tensorboard turns it off)")})
-    use_wandb: bool = False
+    use_wandb: bool = field(default=False, metadata={"help": "log to Weights & Biases"})
     wandb_project: str = field(default="slime_sparse", metadata={"help": "W&B project (slime: none, W&B's default)"})
-    wandb_team: str | None = None  # W&B entity (slime's flag)
-    wandb_group: str | None = None  # W&B group of the run
-    wandb_run_name: str | None = None  # W&B display name (slime names the run after --wandb-group)
+    wandb_team: str | None = field(default=None, metadata={"help": "W&B entity"})
+    wandb_group: str | None = field(default=None, metadata={"help": "W&B group of the run"})
+    wandb_run_name: str | None = field(default=None, metadata={"help": (
+        "W&B display name (slime names the run after --wandb-group)")})
     wandb_mode: str | None = field(default=None, metadata={"help": (
         "online | offline | disabled; unset: W&B's own (the WANDB_MODE variable, else online). offline writes "
         "the run under <run-dir>/wandb with no network (upload later with `wandb sync`)")})
-    wandb_host: str | None = None  # W&B server URL (e.g. a local server); the API key comes from WANDB_API_KEY
-    progress: bool = True
+    wandb_host: str | None = field(default=None, metadata={"help": (
+        "W&B server URL (e.g. a local server); the API key comes from WANDB_API_KEY")})
+    progress: bool = field(default=True, metadata={"help": "a progress bar over rollouts on stderr"})
 
     def validate(self) -> None:
         if not self.run_dir:
@@ -319,21 +330,27 @@ class ClusterConfig:
 
     SECTION: ClassVar[str] = "cluster"
 
-    use_ray: bool = False
-    ray_address: str = ""  # as ray.init(address=): "" finds a running cluster or starts one; "local"; "host:port"
-    actor_num_nodes: int = 1
+    use_ray: bool = field(default=False, metadata={"help": "run the learner ranks and the engines as Ray actors"})
+    ray_address: str = field(default="", metadata={"help": (
+        "as ray.init(address=): unset finds a running cluster or starts one; local; host:port")})
+    actor_num_nodes: int = field(default=1, metadata={"help": "nodes of learner ranks"})
     actor_num_gpus_per_node: int = field(default=1, metadata={"help": (
         "data-parallel learner ranks per node (slime's default 8); 1 here, which fits any machine")})
     rollout_num_gpus: int | None = field(default=None, metadata={"help": (
         "devices (bundles) for all rollout engines together; unset: the learner's with --colocate (slime's rule), "
         "else 1 (slime requires it then)")})
-    rollout_num_gpus_per_engine: int = 1
-    colocate: bool = False  # learner and engines share devices (engines release memory while the learner trains)
-    ray_cpus_per_actor: float = 1.0  # CPUs in each bundle
-    update_weight_mode: str = "auto"  # broadcast (torch.distributed) | tensor (object store) | auto: tensor iff colocated
-    update_weight_buffer_size: int = 512 * 1024**2  # bytes per broadcast bucket (slime's flag and default)
-    ray_timeout_s: float = 600.0  # bound on every Ray call (placement, a whole rollout, a train step)
-    rollout_max_restarts: int = 3  # engine actors restarted per generate() call before the run fails
+    rollout_num_gpus_per_engine: int = field(default=1, metadata={"help": "devices (bundles) of one rollout engine"})
+    colocate: bool = field(default=False, metadata={"help": (
+        "learner and engines share devices (engines release memory while the learner trains)")})
+    ray_cpus_per_actor: float = field(default=1.0, metadata={"help": "CPUs in each bundle"})
+    update_weight_mode: str = field(default="auto", metadata={"help": (
+        "broadcast (torch.distributed) | tensor (object store) | auto: tensor iff --colocate")})
+    update_weight_buffer_size: int = field(default=512 * 1024**2, metadata={"help": (
+        "bytes per weight-broadcast bucket (slime's flag and default)")})
+    ray_timeout_s: float = field(default=600.0, metadata={"help": (
+        "seconds bounding every Ray call (placement, a whole rollout, a train step)")})
+    rollout_max_restarts: int = field(default=3, metadata={"help": (
+        "engine actors restarted per rollout before the run fails")})
 
     @property
     def num_learner_ranks(self) -> int:
@@ -507,15 +524,22 @@ def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
         raise ValueError(f"{flag}={raw!r} is not a valid {getattr(tp, '__name__', tp)}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "slime-sparse-train",
+                 description: str = "Sparse-RL training (GRPO on compressed-KV rollouts)") -> argparse.ArgumentParser:
+    """The command line: one argument group per config section (the YAML's section names), each flag's help the
+    one line in its field's metadata followed by its default."""
     parser = argparse.ArgumentParser(
-        prog="slime-sparse-train", description="Sparse-RL training (GRPO on compressed-KV rollouts)",
-        argument_default=argparse.SUPPRESS,
+        prog=prog, description=description, argument_default=argparse.SUPPRESS,
+        usage="%(prog)s [--config YAML] [--FLAG VALUE ...]",
+        epilog="Precedence: defaults < --correction-preset < --config YAML < flags. Any other --sglang-X goes to "
+               "every SGLang server as --X.",
     )
-    parser.add_argument("--config", help="YAML file: {section: {field: value}} (sections: %s)" % ", ".join(SECTIONS))
+    parser.add_argument("--config", metavar="YAML",
+                        help="YAML file: {section: {field: value}}, sections as the groups below (default: unset)")
+    groups = {section: parser.add_argument_group(section, f"YAML section `{section}:`") for section in SECTIONS}
     seen: dict[str, str] = {}
     for section in SECTIONS:
-        cls = SECTION_TYPES[section]
+        cls, group = SECTION_TYPES[section], groups[section]
         for f in fields(cls):
             if f"{section}.{f.name}" in NO_FLAG:
                 continue
@@ -524,27 +548,48 @@ def build_parser() -> argparse.ArgumentParser:
                 raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and {section}.{f.name}")
             seen[flag] = f"{section}.{f.name}"
             tp = _field_type(cls, f.name)
-            helptext = f.metadata.get("help")
             dest = f"{section}.{f.name}"
             if tp is bool and flag.startswith(DISABLE_PREFIX):  # slime's store_false switch
-                parser.add_argument(flag, dest=dest, action="store_false", help=helptext)
+                group.add_argument(flag, dest=dest, action="store_false",
+                                   help=_help_line(f, "off" if f.default else "on"))
             elif tp is bool or tp == bool | None:
-                parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=helptext)
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=_help_line(f))
             else:
                 nargs = "+" if _tuple_type(tp) else None
-                parser.add_argument(flag, dest=dest, metavar=_metavar(tp), nargs=nargs, help=helptext)
+                group.add_argument(flag, dest=dest, metavar=_metavar(tp), nargs=nargs, help=_help_line(f))
     for flag, spelling in SPELLINGS.items():
         if flag in seen:
             raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and a slime spelling")
         dest = SPELLING_DEST + flag
+        group = groups[next(iter(spelling["sets"])).split(".")[0]]  # the section of the fields it sets
         if "type" in spelling:
-            parser.add_argument(flag, dest=dest, metavar=spelling["type"].__name__.upper(), help=spelling["help"])
+            group.add_argument(flag, dest=dest, metavar=spelling["type"].__name__.upper(),
+                               help=f"{spelling['help']} (default: unset)")
         else:
-            parser.add_argument(flag, dest=dest, action="store_true", help=spelling["help"])
-    for flag, (tp, value, why) in FIXED.items():
-        parser.add_argument(flag, dest=FIXED_DEST + flag, metavar=tp.__name__.upper(),
-                            help=f"accepted as slime's {flag} {value} only: {why}")
+            group.add_argument(flag, dest=dest, action="store_true", help=f"{spelling['help']} (default: off)")
+    for flag, (section, tp, value, why) in FIXED.items():
+        groups[section].add_argument(flag, dest=FIXED_DEST + flag, metavar=tp.__name__.upper(),
+                                     help=f"accepted as slime's {flag} {value} only: {why} (default: {value})")
     return parser
+
+
+def _help_line(f: dataclasses.Field, default: str | None = None) -> str:
+    """The help of a field's flag: its metadata's one line, then its default."""
+    text = f.metadata.get("help")
+    if not text or "\n" in text:
+        raise RuntimeError(f"field {f.name} needs a one-line metadata help (the text of its flag)")
+    return f"{text} (default: {_default_text(f) if default is None else default})"
+
+
+def _default_text(f: dataclasses.Field) -> str:
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if value is None or value == "" or value == ():
+        return "unset"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, tuple):
+        return " ".join(map(str, value))
+    return str(value)
 
 
 def _metavar(tp: Any) -> str:
@@ -564,10 +609,76 @@ def _check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]
 
 
 def _read_yaml(path: str) -> Mapping[str, Mapping[str, Any]]:
+    """{section: {field: value}} of a --config file, each value checked against its field's type."""
     if not os.path.isfile(path):
         raise ValueError(f"--config={path!r} does not exist")
     with open(path, encoding="utf-8") as fh:
-        return _check_sections(yaml.safe_load(fh) or {}, path)
+        try:
+            raw = yaml.safe_load(fh) or {}
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or type(exc).__name__
+            raise ValueError(f"--config {path}: not valid YAML{where}: {problem}") from None
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"--config {path}: must be a mapping {{section: {{field: value}}}}, got a "
+                         f"{type(raw).__name__}")
+    _check_sections(raw, path)
+    return {section: {key: _yaml_value(section, key, value, path) for key, value in values.items()}
+            for section, values in raw.items()}
+
+
+def _yaml_value(section: str, key: str, value: Any, path: str) -> Any:
+    """`value` of field `section.key` from YAML file `path`, checked against the field's annotation (unknown fields
+    pass through: build_section names them). YAML types its own values, so nothing is parsed from strings, except
+    floats: PyYAML reads `1e-6` (no dot) as a string."""
+    cls = SECTION_TYPES[section]
+    if key not in {f.name for f in fields(cls)}:
+        return value
+    tp = _field_type(cls, key)
+    try:
+        return _typed(tp, value)
+    except TypeError:
+        raise ValueError(f"--config {path}: {section}.{key}: expected {_type_name(tp)}, got {value!r}") from None
+
+
+def _typed(tp: Any, value: Any) -> Any:
+    """`value` as annotation `tp` (bool, int, float, str, Optional, tuple) or TypeError; no lossy conversion."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _typed(inner, value)
+    if origin is tuple:
+        elem = typing.get_args(tp)[0]
+        items = value if isinstance(value, (list, tuple)) else [value]  # one value: a one-element list
+        return tuple(_typed(elem, x) for x in items)
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise TypeError from None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is int and isinstance(value, bool):  # a bool is an int to Python, not to a user
+        raise TypeError
+    if not isinstance(value, tp):
+        raise TypeError
+    return value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
+    if origin is tuple:
+        elem = typing.get_args(tp)[0]
+        return "a list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}.get(elem, str(elem))
+    return {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
@@ -588,7 +699,7 @@ def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _check_fixed(flag: str, raw: str) -> None:
     """A slime flag we take only at one value (flags.FIXED): that value, or a one-line refusal."""
-    tp, value, why = FIXED[flag]
+    _section, tp, value, why = FIXED[flag]
     if _parse_value(tp, raw, flag) != value:
         raise ValueError(f"{flag}={raw} is not supported ({why}): only {value} is")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -95,11 +96,43 @@ def evaluate_modes(cfg, components, *, step: int, logger=None) -> dict[str, dict
     return out
 
 
+OUTPUT_HELP = "where the JSON report is written (its directory is created)"
+
+
+def build_eval_parser() -> argparse.ArgumentParser:
+    """--help of slime-sparse-eval: the run config's flags (training's, which evaluation reads) and --output."""
+    from slime_sparse.config import build_parser
+
+    parser = build_parser(prog="slime-sparse-eval", description=(
+        "Evaluate a model (pass@1, avg@k, pass@k) on --eval-prompt-data (or --prompt-data) under dense or "
+        "compressed-KV inference. It reads the training flags: the eval, sampling, kv, data and reward groups "
+        "matter here."))
+    group = next(g for g in parser._action_groups if g.title == "eval")
+    group.add_argument("--output", metavar="PATH", help=f"{OUTPUT_HELP} (default: eval_report.json)")
+    return parser
+
+
+def prepare_output(path: str) -> None:
+    """Create the report's directory and check it is writable now, so that a bad --output fails before the
+    evaluation rather than after it."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output {path}: cannot create its directory ({exc.strerror})") from None
+    if os.path.isdir(path) or not os.access(directory, os.W_OK):
+        raise ValueError(f"--output {path}: not a writable file path")
+
+
 def main(argv: list[str] | None = None) -> int:
     from slime_sparse.config import load_config
     from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
-    from slime_sparse.reward import get_reward_fn
+    from slime_sparse.reward import RewardFailure, get_reward_fn
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        build_eval_parser().print_help()
+        return 0
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--output", default="eval_report.json")
     known, rest = pre.parse_known_args(argv)
@@ -110,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         rest += ["--eval-prompt-data", rest[rest.index("--prompt-data") + 1]]
     try:
         cfg = load_config(rest)
+        prepare_output(known.output)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -117,10 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     reward_fn = get_reward_fn(cfg.reward)
     engine = build_engine(EngineSpec.from_run(cfg))
     reports = {}
-    for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
-        report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
-                          n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
-        reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path, "kv": dataclasses.asdict(cfg.kv)}
+    try:
+        for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
+            report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
+                              n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
+            reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path,
+                             "kv": dataclasses.asdict(cfg.kv)}
+    except RewardFailure as exc:  # its message holds the grader's traceback
+        reward_fn.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     # one bare path: the report itself, as before; named sets: {name: report}
     out = reports[""] if list(reports) == [""] else reports
     with open(known.output, "w", encoding="utf-8") as fh:

@@ -52,6 +52,7 @@ FLAG_ALIASES: dict[str, str] = {
     "reward.timeout_s": "--rm-timeout",
     "reward.num_workers": "--rm-num-workers",
     "reward.memory_limit_mb": "--rm-memory-limit-mb",
+    "reward.max_error_rate": "--rm-max-error-rate",
     "log.progress": "--progress-bar",
     "cluster.ray_timeout_s": "--ray-timeout",
     "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)
@@ -87,13 +88,15 @@ SPELLINGS: dict[str, dict] = {
     },
 }
 
-# slime flags accepted only at the value that says what we always do: flag -> (type, value, why no other)
-FIXED: dict[str, tuple[type, object, str]] = {
-    "--optimizer": (str, "adam", "both learners step Adam with decoupled weight decay (Megatron's adam)"),
-    "--kl-coef": (float, 0.0, "a KL penalty in the reward is not implemented; use --use-kl-loss --kl-loss-coef"),
-    "--context-parallel-size": (int, 1, "context parallelism is not implemented"),
-    "--expert-model-parallel-size": (int, 1, "the learners build dense models (no experts)"),
-    "--expert-tensor-parallel-size": (int, 1, "the learners build dense models (no experts)"),
+# slime flags accepted only at the value that says what we always do:
+# flag -> (section it is listed under in --help, type, value, why no other)
+FIXED: dict[str, tuple[str, type, object, str]] = {
+    "--optimizer": ("train", str, "adam", "both learners step Adam with decoupled weight decay (Megatron's adam)"),
+    "--kl-coef": ("loss", float, 0.0,
+                  "a KL penalty in the reward is not implemented; use --use-kl-loss --kl-loss-coef"),
+    "--context-parallel-size": ("megatron", int, 1, "context parallelism is not implemented"),
+    "--expert-model-parallel-size": ("megatron", int, 1, "the learners build dense models (no experts)"),
+    "--expert-tensor-parallel-size": ("megatron", int, 1, "the learners build dense models (no experts)"),
 }
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 
@@ -22,16 +25,21 @@ from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
 from slime_sparse.eval import evaluate_modes
+from slime_sparse.flags import flag_for
 from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,
                                    to_samples)
+from slime_sparse.preflight import no_gradient_warning, start_warnings, warn
+from slime_sparse.resume import CONFIG_KEY, checkpoint_config, experiment_changes, resume_candidates
+from slime_sparse.reward import RewardFailure
 from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
-from slime_sparse.utils.checkpoint import checkpoint_to_resume, tidy_save_dir
+from slime_sparse.utils.checkpoint import UnreadableCheckpoint, read_trainer_state, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
 
 logger = logging.getLogger("slime_sparse.train")
+SUMMARY_FILE = "summary.json"
 
 
 class StartupError(ValueError):
@@ -151,31 +159,46 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     return metrics
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (or SIGINT: Ctrl-C) arrived; `exit_code` is the shell's 128 + signal number."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
 def train(cfg: RunConfig) -> dict:
-    """Run (or resume) training; returns a summary (first/last metrics and evaluations)."""
-    os.makedirs(cfg.log.run_dir, exist_ok=True)
-    save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
+    """Run (or resume) training; returns a summary (first/last metrics and evaluations, status).
+
+    Nothing is written into the run directory before every start-up check has passed (config, data, model,
+    checkpoint), so a failed rerun leaves a run as it was; rerunning a complete run changes nothing."""
+    save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
+    candidates = resume_candidates(cfg.train.load or save_dir)  # --load, else the run's own checkpoints
+    if candidates:
+        state = read_trainer_state(candidates[0])
+        check_experiment(cfg, candidates[0], state["extra"].get(CONFIG_KEY))
+        if state["step"] >= cfg.train.num_rollout:
+            print(f"{cfg.log.run_dir}: the run is complete ({candidates[0]} is rollout {state['step']}, "
+                  f"{flag_for('train', 'num_rollout')} is {cfg.train.num_rollout}): nothing to do; raise "
+                  f"{flag_for('train', 'num_rollout')} to extend it", file=sys.stderr)
+            tidy_save_dir(save_dir, cfg.train.keep_last)  # only what a kill mid-save left (none after a clean end)
+            return read_summary(cfg.log.run_dir)
     set_seed(cfg.train.seed)
     try:
         components = build_components(cfg)
     except ValueError as exc:
         raise StartupError(str(exc)) from exc
-    save_dir = cfg.train.save or os.path.join(cfg.log.run_dir, "checkpoints")
-
-    start = 0
-    resume_from = checkpoint_to_resume(cfg.train.load or save_dir)  # --load, else the run's own checkpoints
-    if resume_from:
-        try:
-            start = components.load_checkpoint(resume_from)
-        except ValueError as exc:
-            components.close()
-            raise StartupError(f"cannot resume from {resume_from}: {exc}") from exc
-        logger.info("resumed from %s at rollout %d", resume_from, start)
+    start = resume(components, candidates)
+    for line in start_warnings(cfg, max(len(p.prompt_ids) for p in components.stream.dataset.prompts)):
+        warn(line)
     tidy_save_dir(save_dir, cfg.train.keep_last)
+    os.makedirs(cfg.log.run_dir, exist_ok=True)
+    save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
     metrics_log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
                                 wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
-    summary: dict = {"evals": {}}
+    summary: dict = {"status": "interrupted", "last_rollout": start, "evals": {}}
+    no_gradient_warned = False
     try:
         if start == 0 and components.eval_sets:
             summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=metrics_log)
@@ -184,26 +207,95 @@ def train(cfg: RunConfig) -> dict:
             metrics = run_rollout(cfg, components, rollout_id)
             step = rollout_id + 1
             metrics_log.log(step, metrics)
+            if not no_gradient_warned and (line := no_gradient_warning(step, metrics)):
+                warn(line)
+                no_gradient_warned = True
             if rollout_id == start:
                 summary["first"] = metrics
-            summary["last"] = metrics
+            summary["last"], summary["last_rollout"] = metrics, step
             progress.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
                                  kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                                  rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",
-                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}")
+                                 groups=f"{metrics['rollout/groups_kept']:.0f}/{metrics['rollout/groups_generated']:.0f}",
+                                 rm_fail=int(metrics.get("reward/errors", 0) + metrics.get("reward/timeouts", 0)))
             if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
                 summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=metrics_log)
             if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
                 components.save_checkpoint(save_dir, step)
+        summary["status"] = "complete"
+    except KeyboardInterrupt:  # SIGINT / SIGTERM: stop the workers, flush the metrics, say where the run stopped
+        write_summary(cfg.log.run_dir, summary)
+        raise
     finally:
         metrics_log.close()
         components.close()
-    path = os.path.join(cfg.log.run_dir, "summary.json")
-    if "last" in summary or not os.path.exists(path):  # rerunning a finished run keeps the summary it wrote
-        with open(f"{path}.tmp", "w", encoding="utf-8") as fh:
-            json.dump(summary, fh, indent=2, default=float)
-        os.replace(f"{path}.tmp", path)  # a kill mid-write leaves the previous summary, not half of one
+    write_summary(cfg.log.run_dir, summary)
     return summary
+
+
+def check_experiment(cfg: RunConfig, checkpoint: str, saved: dict | None) -> None:
+    """Refuse (one line) to resume `checkpoint` under other experiment fields, unless --allow-config-change."""
+    changes = experiment_changes(saved, checkpoint_config(cfg))
+    if not changes:
+        return
+    if cfg.train.allow_config_change:
+        warn(f"resuming {checkpoint} with a changed experiment ({'; '.join(changes)}): "
+             f"{flag_for('train', 'allow_config_change')} is given")
+        return
+    raise StartupError(f"{checkpoint} was trained with other settings: {'; '.join(changes)}. Rerun with its settings, "
+                       f"start a new {flag_for('log', 'run_dir')}, or pass {flag_for('train', 'allow_config_change')}")
+
+
+def resume(components: Components, candidates: list[str]) -> int:
+    """Load the first readable checkpoint of `candidates` (newest first); its rollout, or 0 without one. An
+    unreadable one (truncated or corrupt files) is skipped with a warning; any other mismatch stops the run."""
+    for i, path in enumerate(candidates):
+        try:
+            start = components.load_checkpoint(path)
+        except UnreadableCheckpoint as exc:
+            if i + 1 < len(candidates):
+                warn(f"{exc}: resuming from the previous checkpoint, {candidates[i + 1]}")
+                continue
+            components.close()
+            raise StartupError(f"cannot resume: {exc}") from exc
+        except ValueError as exc:
+            components.close()
+            raise StartupError(f"cannot resume from {path}: {exc}") from exc
+        logger.info("resumed from %s at rollout %d", path, start)
+        return start
+    return 0
+
+
+def read_summary(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, SUMMARY_FILE), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
+
+
+def write_summary(run_dir: str, summary: dict) -> None:
+    path = os.path.join(run_dir, SUMMARY_FILE)
+    with open(f"{path}.tmp", "w", encoding="utf-8") as fh:
+        json.dump(summary, fh, indent=2, default=float)
+    os.replace(f"{path}.tmp", path)  # a kill mid-write leaves the previous summary, not half of one
+
+
+@contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGINT raise Interrupted in the main thread, so the loop unwinds through its cleanup; a second
+    signal during that cleanup exits at once."""
+    def first(signum: int, _frame) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda n, _f: os._exit(128 + n))
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, first) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,11 +306,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        train(cfg)
+        with signals_interrupt():
+            train(cfg)
     except StartupError as exc:
         logger.debug("start-up failed", exc_info=True)  # the traceback, at DEBUG level
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RewardFailure as exc:  # the message carries the grader's traceback; ours would add nothing
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:
+        code = getattr(exc, "exit_code", 128 + signal.SIGINT)
+        print(f"interrupted ({signal.Signals(code - 128).name}); rerun the command to resume from the last "
+              "checkpoint", file=sys.stderr)
+        return code
     return 0
 
 

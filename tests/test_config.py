@@ -98,6 +98,36 @@ def test_yaml_unknown_section_or_field(base_args, tmp_path):
         load_config(base_args + ["--config", str(y)])
 
 
+@pytest.mark.parametrize("text,message", [
+    ("train: {lr: many}\n", "train.lr: expected a number, got 'many'"),
+    ('loss: {use_kl_loss: "no"}\n', "loss.use_kl_loss: expected a boolean (true / false), got 'no'"),
+    ("rollout: {rollout_batch_size: 2.5}\n", "rollout.rollout_batch_size: expected an integer, got 2.5"),
+    ("kv: {n_sink: true}\n", "kv.n_sink: expected an integer or null, got True"),
+    ("sampling: {stop_token_ids: [1, x]}\n", "sampling.stop_token_ids: expected a list of integers, got [1, 'x']"),
+    ("train: {lr: 1e-3\n", "not valid YAML at line 2, column 1"),
+    ("- train\n", "must be a mapping {section: {field: value}}, got a list"),
+])
+def test_a_bad_yaml_value_is_one_line_naming_file_key_and_type(base_args, tmp_path, text, message, capsys):
+    from slime_sparse.train import main
+
+    y = tmp_path / "c.yaml"
+    y.write_text(text)
+    with pytest.raises(ValueError, match="--config " + str(y)) as err:
+        load_config(base_args + ["--config", str(y)])
+    assert message in str(err.value)
+    assert main(base_args + ["--config", str(y)]) == 2  # the command: one line, no traceback
+    assert capsys.readouterr().err.strip() == f"error: {err.value}"
+
+
+def test_yaml_values_keep_their_type(base_args, tmp_path):
+    y = tmp_path / "c.yaml"
+    # PyYAML reads 1e-6 (no dot) as a string: a number field takes it; a one-element list may be written bare
+    y.write_text("train: {lr: 1e-6, num_rollout: 3}\nloss: {use_kl_loss: false}\nsampling: {stop_token_ids: 7}\n")
+    cfg = load_config(base_args + ["--config", str(y)])
+    assert cfg.train.lr == 1e-6 and cfg.train.num_rollout == 3 and cfg.loss.use_kl_loss is False
+    assert cfg.sampling.stop_token_ids == (7,)
+
+
 def test_defaults_follow_the_authors_recipe():
     cfg = RunConfig()
     assert cfg.rollout.rollout_batch_size == 128 and cfg.rollout.n_samples_per_prompt == 8

@@ -63,10 +63,12 @@ def test_unknown_rm_type_names_the_flag():
 @pytest.mark.parametrize(
     "field, value, match",
     [
-        ("timeout_s", 0.0, "timeout_s"),
-        ("timeout_s", float("nan"), "timeout_s"),
-        ("num_workers", -1, "num_workers"),
-        ("num_workers", 1.5, "num_workers"),
+        ("timeout_s", 0.0, "--rm-timeout"),
+        ("timeout_s", float("nan"), "--rm-timeout"),
+        ("num_workers", -1, "--rm-num-workers"),
+        ("num_workers", 1.5, "--rm-num-workers"),
+        ("max_error_rate", 1.5, "--rm-max-error-rate"),
+        ("max_error_rate", -0.1, "--rm-max-error-rate"),
     ],
 )
 def test_bad_numbers(field, value, match):

@@ -112,7 +112,7 @@ def test_reward_fn_counters_and_stats():
 
 
 def test_inline_mode_counts_errors_without_processes():
-    with get_reward_fn(RewardConfig(rm_type="test_scripted", num_workers=0)) as reward_fn:
+    with get_reward_fn(RewardConfig(rm_type="test_scripted", num_workers=0, max_error_rate=1.0)) as reward_fn:
         rewards, counters = reward_fn(["a", "raise", "not a number"], ["a", None, None])
     assert rewards == [1.0, 0.0, 0.0]
     assert counters == {"graded": 1, "errors": 2, "timeouts": 0}
@@ -278,7 +278,8 @@ def raise_by_kind(response: str, label, **kwargs) -> float:
 
 
 def test_raising_grader_is_reported_once_with_traceback_and_counted(caplog):
-    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=1, timeout_s=20.0)
+    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=1, timeout_s=20.0,
+                          max_error_rate=1.0)  # counted, not stopped (tests/test_reward_failures.py)
     with caplog.at_level("WARNING", logger="slime_sparse.reward.reward_fn"), get_reward_fn(config) as reward_fn:
         for _ in range(3):
             rewards, counters = reward_fn(["value", "ok", "value"], [None, None, None])
@@ -293,7 +294,7 @@ def test_raising_grader_is_reported_once_with_traceback_and_counted(caplog):
 
 
 def test_inline_grader_failure_is_reported_with_traceback(caplog):
-    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=0)
+    config = RewardConfig(custom_rm_path=f"{__name__}:raise_by_kind", num_workers=0, max_error_rate=1.0)
     with caplog.at_level("WARNING", logger="slime_sparse.reward.reward_fn"), get_reward_fn(config) as reward_fn:
         assert reward_fn(["value", "value"], [None, None]) == ([0.0, 0.0], {"graded": 0, "errors": 2, "timeouts": 0})
     (report,) = [r.getMessage() for r in caplog.records]

@@ -9,7 +9,7 @@ number for number.
 
 A group whose rewards are all equal carries no learning signal: its advantages are set to exactly
 0.0 (not "tiny", which a float mean/std would give) and the group is counted in
-"adv/zero_std_groups". A group of one sample is such a group too (its std is undefined).
+"adv/zero_std_groups" (and "adv/zero_std_frac", the fraction of groups: 1 means no gradient at all). A group of one sample is such a group too (its std is undefined).
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def grpo_advantages(
 
     Returns:
         advantages [N] (dtype of `rewards` when floating, else float32) and metrics:
-        "adv/groups", "adv/zero_std_groups" (groups with all-equal rewards), "adv/abs_mean".
+        "adv/groups", "adv/zero_std_groups" (groups with all-equal rewards), "adv/zero_std_frac" (their
+        fraction), "adv/abs_mean".
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [N], got shape {tuple(rewards.shape)}")
@@ -46,7 +47,8 @@ def grpo_advantages(
         raise ValueError(f"eps must be >= 0, got {eps}")
     out_dtype = rewards.dtype if rewards.dtype.is_floating_point else torch.float32
     if rewards.numel() == 0:
-        return rewards.new_zeros(0, dtype=out_dtype), {"adv/groups": 0.0, "adv/zero_std_groups": 0.0, "adv/abs_mean": 0.0}
+        return rewards.new_zeros(0, dtype=out_dtype), {"adv/groups": 0.0, "adv/zero_std_groups": 0.0,
+                                                       "adv/zero_std_frac": 0.0, "adv/abs_mean": 0.0}
     if not bool(torch.isfinite(rewards).all()):
         raise ValueError("rewards must be finite (got NaN or inf)")
 
@@ -73,6 +75,7 @@ def grpo_advantages(
     metrics = {
         "adv/groups": float(num_groups),
         "adv/zero_std_groups": float(flat_group.sum()),
+        "adv/zero_std_frac": float(flat_group.sum()) / num_groups,
         "adv/abs_mean": float(adv.abs().mean()),
     }
     return adv.to(out_dtype), metrics

@@ -60,33 +60,30 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 @dataclass(frozen=True)
 class CorrectionConfig:
-    """Knobs of the sparsity correction; command-line flags are `--correction-<field-with-dashes>`.
+    """Knobs of the sparsity correction; command-line flags are `--correction-<field-with-dashes>` (each field's
+    help says what it does). `preset`: the preset the knobs started from (`from_preset`); when built directly,
+    the preset they equal, or "custom"."""
 
-    is_weight: multiply each token's policy-gradient term by its (clamped, optionally truncated) xi.
-    is_upper: truncate the weight at this value (TIS); None = no truncation. Needs is_weight.
-    is_lower: raise weights below this value to it (slime's --tis-clip-low); 0 = no lower clip. Needs is_weight.
-    token_mask_low / token_mask_high: reject tokens whose xi lies below / above (either may be None).
-    seq_veto: reject a whole sequence if any of its tokens has xi < seq_veto (tested on the raw,
-        unclamped log ratio); None = no veto.
-    batch_normalize: divide the weights by their mean over the batch's original response tokens.
-        Needs is_weight.
-    log_ratio_clamp: |log xi| is clamped to this before exp, for the weight and the token mask
-        (the reference's SAFETY_BOUND = 20).
-    preset: the preset the knobs started from (`from_preset`); when built directly, the preset they equal, or
-        "custom".
-    """
-
-    is_weight: bool = False
-    is_upper: float | None = None
-    is_lower: float = 0.0
-    token_mask_low: float | None = None
-    token_mask_high: float | None = None
-    seq_veto: float | None = None
-    batch_normalize: bool = False
-    log_ratio_clamp: float = 20.0
+    is_weight: bool = field(default=False, metadata={"help": (
+        "multiply each token's policy-gradient term by its (clamped, optionally truncated) xi = pi_old / pi_sparse")})
+    is_upper: float | None = field(default=None, metadata={"help": (
+        "truncate the weight at this value (TIS); unset: no truncation. Needs --correction-is-weight")})
+    is_lower: float = field(default=0.0, metadata={"help": (
+        "raise weights below this value to it (slime's --tis-clip-low); 0: no lower clip. Needs "
+        "--correction-is-weight")})
+    token_mask_low: float | None = field(default=None, metadata={"help": (
+        "reject tokens whose xi lies below; unset: off")})
+    token_mask_high: float | None = field(default=None, metadata={"help": (
+        "reject tokens whose xi lies above; unset: off")})
+    seq_veto: float | None = field(default=None, metadata={"help": (
+        "reject a whole sequence if any token has xi below this (raw, unclamped ratio); unset: no veto")})
+    batch_normalize: bool = field(default=False, metadata={"help": (
+        "divide the weights by their mean over the batch's response tokens. Needs --correction-is-weight")})
+    log_ratio_clamp: float = field(default=20.0, metadata={"help": (
+        "|log xi| is clamped to this before exp, for the weight and the token mask (the reference's SAFETY_BOUND)")})
     preset: str = field(default="", metadata={
         "help": "none | paper | mis: the published setting to start from (other --correction-* flags override "
-                "its knobs)"})
+                "its knobs); unset: the knobs as given, which default to none's"})
 
     FLAG_PREFIX: ClassVar[str] = "--correction-"
 

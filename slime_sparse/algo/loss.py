@@ -31,30 +31,26 @@ Number = float | int | Tensor
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Policy-loss knobs; flags are `--<field-with-dashes>` as in slime.
+    """Policy-loss knobs; flags are `--<field-with-dashes>` as in slime (each field's help says what it does)."""
 
-    eps_clip / eps_clip_high: PPO clip range [1 - eps_clip, 1 + eps_clip_high]; eps_clip_high None
-        means symmetric. eps_clip_c: dual-clip constant (> 1) bounding the loss of negative-advantage
-        tokens at -eps_clip_c * A; None disables it.
-    loss_agg_mode: "seq-mean-token-mean" (slime default), "token-mean", "seq-mean-token-sum-norm"
-        (Dr.GRPO; divides by num_seqs * norm_len, norm_len = max response length, set by the caller).
-    use_kl_loss / kl_loss_coef / kl_loss_type: KL(pi_theta || pi_ref) penalty in the loss.
-    entropy_coef: weight of the entropy bonus (subtracted from the loss).
-    """
-
-    eps_clip: float = 0.2
-    eps_clip_high: float | None = None
-    eps_clip_c: float | None = None
-    loss_agg_mode: str = "seq-mean-token-mean"
-    use_kl_loss: bool = False
+    eps_clip: float = field(default=0.2, metadata={"help": "PPO clip range [1 - eps_clip, 1 + eps_clip_high]"})
+    eps_clip_high: float | None = field(default=None, metadata={"help": "upper PPO clip; unset: --eps-clip"})
+    eps_clip_c: float | None = field(default=None, metadata={"help": (
+        "dual-clip constant (> 1) bounding the loss of negative-advantage tokens at -eps_clip_c x A; unset: off")})
+    loss_agg_mode: str = field(default="seq-mean-token-mean", metadata={"help": (
+        "seq-mean-token-mean (slime's) | token-mean | seq-mean-token-sum-norm (Dr.GRPO: / (sequences x "
+        "--norm-len))")})
+    use_kl_loss: bool = field(default=False, metadata={"help": "add a KL(pi_theta || pi_ref) penalty to the loss"})
     kl_loss_coef: float = field(default=0.0, metadata={"help": (
         "weight of the KL term under --use-kl-loss. At 0 (slime's GRPO scripts) no reference model is kept or run: "
         "the term would be multiplied by 0 (slime still computes it, for its log)")})
     kl_loss_type: str = field(default="low_var_kl", metadata={"help": (
         "k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]). slime's default is k1; low_var_kl here: non-negative "
         "and low-variance, the estimator GRPO uses and every slime GRPO script passes")})
-    entropy_coef: float = 0.0
-    norm_len: int | None = None
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "weight of the entropy bonus (subtracted from the loss)")})
+    norm_len: int | None = field(default=None, metadata={"help": (
+        "Dr.GRPO's constant length normaliser; unset: --rollout-max-response-len")})
 
     @property
     def needs_ref(self) -> bool:

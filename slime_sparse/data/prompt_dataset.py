@@ -33,19 +33,22 @@ _STATE_VERSION = 1
 
 @dataclass(frozen=True)
 class DataConfig:
-    prompt_data: str = ""  # --prompt-data: local .jsonl / .json / .parquet file (required to load data)
+    prompt_data: str = field(default="", metadata={"help": "local .jsonl / .json / .parquet file of prompts; required"})
     input_key: str = field(default="prompt", metadata={"help": (
         "the prompt column: a string, or a list of {role, content} messages (slime's default: input; prompt here, "
         "the column of DAPO-Math-17k and of our tasks)")})
     label_key: str | None = field(default="label", metadata={"help": (
         "the label column, None when rows carry none (slime's default: none; label here, what slime's scripts pass)")})
-    apply_chat_template: bool = False  # --apply-chat-template
-    max_prompt_len: int | None = None  # --rollout-max-prompt-len: longer prompts are skipped and counted
+    apply_chat_template: bool = field(default=False, metadata={"help": (
+        "render each prompt with the tokenizer's chat template (needed for message-list prompts)")})
+    max_prompt_len: int | None = field(default=None, metadata={"help": (
+        "prompts longer than this (tokens) are skipped and counted; unset: none skipped")})
     shuffle: bool = field(default=True, metadata={"help": (
         "shuffle the prompts each epoch (--no-rollout-shuffle: file order). slime's default is off; on here, as every "
         "slime GRPO script passes it: in file order the first rollouts see only what the file starts with")})
-    seed: int = 42  # --rollout-seed: epoch e is shuffled with the RNG seeded by (seed, e)
-    skip_bad_rows: bool = False  # skip (and count) malformed rows instead of raising
+    seed: int = field(default=42, metadata={"help": "epoch e is shuffled with the RNG seeded by (seed, e)"})
+    skip_bad_rows: bool = field(default=False, metadata={"help": (
+        "skip (and count, data/skipped_bad_rows) malformed rows instead of stopping at the first")})
     num_epochs: int = field(default=1, metadata={"help": (
         "passes over --prompt-data the run may make; --num-rollout batches must fit in them (slime computes "
         "--num-rollout from it when that is unset, and otherwise loops over the data)")})

@@ -1,7 +1,7 @@
 """Configuration of KV-cache compression, shared by every engine (embedded, SGLang), and what each method needs."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -29,21 +29,29 @@ POOLINGS = ("max", "avg")
 
 @dataclass(frozen=True)
 class KVCompressConfig:
-    method: str = "none"
-    budget: int = 512  # B: tokens kept after a compression
-    buffer: int = 128  # decode tokens between compressions; cache cycles between B and B + buffer
-    window: int = 8  # observation window: last `window` queries score, last `window` tokens always kept
-    kernel_size: int = 7  # pooling kernel over token scores (SnapKV, R-KV)
-    pooling: str = "max"
-    mix_lambda: float = 0.1  # R-KV: score = lambda * importance - (1 - lambda) * redundancy
-    sim_threshold: float = 0.5  # R-KV: newest near-duplicate (cosine > threshold) is exempt from redundancy
-    n_sink: int | None = None  # first tokens always kept; None = the method's default (streaming 4, others 0)
-    # How the query heads of one KV group are reduced: on the attention logits for rkv (as R-KV, which uses max),
-    # on the per-head scores after window sum and pooling for snapkv / h2o (as kvpress, which uses mean).
-    gqa_reduce: str = "max"  # over the query heads of a KV group; max as in R-KV and the authors' SGLang
-    # head: each KV head of each layer selects; layer: one set per layer (mean of its heads' scores);
-    # model: one set for all layers (mean over layers of those means). See kv/selection.py.
-    granularity: str = "head"
+    method: str = field(default="none", metadata={"help": (
+        "KV compression of rollouts: none (dense) | snapkv | rkv | streaming | h2o")})
+    budget: int = field(default=512, metadata={"help": "B: KV tokens kept per sequence after a compression"})
+    buffer: int = field(default=128, metadata={"help": (
+        "decode tokens between compressions: the cache cycles between B and B + buffer")})
+    window: int = field(default=8, metadata={"help": (
+        "observation window: the last `window` queries score, the last `window` tokens are always kept")})
+    kernel_size: int = field(default=7, metadata={"help": "pooling kernel over token scores (SnapKV, R-KV)"})
+    pooling: str = field(default="max", metadata={"help": "max | avg pooling of token scores"})
+    mix_lambda: float = field(default=0.1, metadata={"help": (
+        "R-KV: score = lambda x importance - (1 - lambda) x redundancy")})
+    sim_threshold: float = field(default=0.5, metadata={"help": (
+        "R-KV: the newest near-duplicate (cosine > threshold) is exempt from redundancy")})
+    n_sink: int | None = field(default=None, metadata={"help": (
+        "first tokens always kept; unset: the method's (streaming 4, others 0)")})
+    # On the attention logits for rkv (as R-KV, which uses max), on the per-head scores after window sum and
+    # pooling for snapkv / h2o (as kvpress, which uses mean).
+    gqa_reduce: str = field(default="max", metadata={"help": (
+        "max | mean over the query heads of a KV group (max as in R-KV and the authors' SGLang)")})
+    # See kv/selection.py.
+    granularity: str = field(default="head", metadata={"help": (
+        "head: each KV head of each layer selects | layer: one set per layer (mean of its heads' scores) | "
+        "model: one set for all layers")})
 
     @property
     def sinks(self) -> int:

@@ -31,6 +31,16 @@ def should_compress(cache_len: int, cfg: KVCompressConfig, first_decode: bool = 
     return cfg.traits.compresses_after_prefill and first_decode and cache_len > cfg.budget
 
 
+def never_compresses(cfg: KVCompressConfig, longest_prompt: int, max_new_tokens: int) -> bool:
+    """No sequence of at most `longest_prompt` + `max_new_tokens` tokens ever reaches a compression: the budget is
+    so large that a run with compression on is dense under another name."""
+    if not cfg.enabled:
+        return False
+    if cfg.traits.compresses_after_prefill and longest_prompt > cfg.budget:
+        return False
+    return trigger(cfg) >= longest_prompt + max_new_tokens
+
+
 def row_capacity(cfg: KVCompressConfig, longest: int) -> int:
     """Slots a cache row needs for sequences of at most `longest` tokens, when it compresses before overflowing
     (during a chunked prefill too): budget + buffer, or the whole sequence when that is shorter or compression off."""

@@ -16,7 +16,7 @@ from slime_sparse.reward.math_grader import grade_math, is_equivalent, last_boxe
 from slime_sparse.reward.math_verify_grader import grade_math_verify
 from slime_sparse.reward.pool import GradeOutcome, GraderPool
 from slime_sparse.reward.registry import Grader, get_registered_reward, register_reward, registered_rewards
-from slime_sparse.reward.reward_fn import RewardFn, RewardFunction, RewardStats, get_reward_fn
+from slime_sparse.reward.reward_fn import RewardFailure, RewardFn, RewardFunction, RewardStats, get_reward_fn
 
 __all__ = [
     "Grader",
@@ -24,6 +24,7 @@ __all__ = [
     "GraderPool",
     "RewardConfig",
     "RewardFn",
+    "RewardFailure",
     "RewardFunction",
     "RewardStats",
     "get_registered_reward",

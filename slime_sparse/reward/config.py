@@ -27,24 +27,23 @@ def load_custom_reward(path: str) -> Grader:
 
 @dataclass(frozen=True)
 class RewardConfig:
-    """How responses are scored.
-
-    rm_type: registered grader name (`--rm-type`): "math" (boxed answer + MATH normalisation + sympy,
-        the grader the Sparse-RL authors trained with), "math_verify" (HF math-verify), or a user task.
-    custom_rm_path: `module.path:function` (`--custom-rm-path`); when set it wins over rm_type, as in slime.
-    timeout_s: wall-clock limit of one grader call; a call past it scores 0 and counts as a timeout.
-    num_workers: grader processes. 0 grades in the calling thread: no timeout is enforced there (a hung
-        grader hangs the caller), meant for debugging and for graders that are trivially fast.
-    memory_limit_mb: cap of each grader process's data segment (`--rm-memory-limit-mb`; 0: none): an answer
-        such as 10^(10^10) makes sympy or math-verify raise MemoryError (scored 0, counted) instead of
-        taking the machine's memory. Not enforced with num_workers=0.
-    """
+    """How responses are scored (each field's help says what it does). `rm_type` "math" is boxed answer + MATH
+    normalisation + sympy, the grader the Sparse-RL authors trained with; "math_verify" is HF math-verify.
+    memory_limit_mb: an answer such as 10^(10^10) makes sympy or math-verify raise MemoryError (scored 0,
+    counted) instead of taking the machine's memory."""
 
     rm_type: str = field(default="math", metadata={"help": (
         "registered grader (slime: no default); math here: the paper's boxed math answers")})
-    custom_rm_path: str | None = None
-    timeout_s: float = 5.0
-    num_workers: int = 2
+    custom_rm_path: str | None = field(default=None, metadata={"help": (
+        "module.path:function grading (response, label); wins over --rm-type, as in slime")})
+    timeout_s: float = field(default=5.0, metadata={"help": (
+        "wall-clock limit of one grader call; a call past it scores 0 and counts as a timeout")})
+    num_workers: int = field(default=2, metadata={"help": (
+        "grader processes; 0 grades in the trainer's main thread (debugging, trivially fast graders), the timeout "
+        "then enforced by SIGALRM (a grader stuck inside one C call overruns it)")})
+    max_error_rate: float = field(default=0.5, metadata={"help": (
+        "stop the run (with the first failure's traceback) when more than this fraction of one batch's rewards "
+        "errored or timed out; 1: never")})
     memory_limit_mb: int = field(default=2048, metadata={"help": (
         "cap (MiB) of each grader process's data segment, 0: none; an answer that would take the machine's "
         "memory scores 0 and is counted (not enforced with --rm-num-workers 0)")})
@@ -52,9 +51,11 @@ class RewardConfig:
     def validate(self) -> None:
         """Raise ValueError naming the offending flag; imports the custom grader to check it exists."""
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
-            raise ValueError(f"timeout_s (reward grader timeout) must be a positive number, got {self.timeout_s!r}")
+            raise ValueError(f"--rm-timeout (reward grader timeout) must be a positive number, got {self.timeout_s!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
-            raise ValueError(f"num_workers (reward worker processes) must be an int >= 0, got {self.num_workers!r}")
+            raise ValueError(f"--rm-num-workers (reward worker processes) must be an int >= 0, got {self.num_workers!r}")
+        if not isinstance(self.max_error_rate, (int, float)) or not 0.0 <= self.max_error_rate <= 1.0:
+            raise ValueError(f"--rm-max-error-rate must lie in [0, 1], got {self.max_error_rate!r}")
         if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, int) or not (
                 self.memory_limit_mb == 0 or self.memory_limit_mb >= 256):
             raise ValueError(f"--rm-memory-limit-mb must be 0 (no cap) or an int >= 256, got {self.memory_limit_mb!r}")

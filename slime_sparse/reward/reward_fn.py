@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -15,6 +18,16 @@ logger = logging.getLogger(__name__)
 
 # responses, labels -> (one reward per response, counters of this call)
 RewardFn = Callable[[list[str], list], tuple[list[float], dict[str, int]]]
+
+
+class RewardFailure(RuntimeError):
+    """More than --rm-max-error-rate of one batch's rewards failed: the grader (or its setup) is broken, and a run
+    on zero rewards would train on nothing. The message holds the first failure's traceback."""
+
+
+class _InlineTimeout(BaseException):
+    """--rm-timeout expired in an inline grader call (a BaseException: the grader's `except Exception` cannot
+    swallow it)."""
 
 
 @dataclass
@@ -74,6 +87,9 @@ class RewardFunction:
         if self._pool is not None:
             outcomes = self._pool.grade(tasks)
         else:
+            if threading.current_thread() is not threading.main_thread():  # where SIGALRM cannot reach
+                raise RuntimeError("--rm-num-workers 0 grades in the calling thread and can enforce --rm-timeout "
+                                   "only on the main thread: use --rm-num-workers >= 1")
             outcomes = [self._grade_inline(*task) for task in tasks]
 
         batch = RewardStats(
@@ -83,14 +99,31 @@ class RewardFunction:
         )
         self.stats.add(batch)
         self._log_failures(outcomes)
+        self._check_error_rate(outcomes)
         return [o.reward for o in outcomes], batch.as_dict()
 
     def _grade_inline(self, response: str, label: Any, kwargs: dict[str, Any]) -> GradeOutcome:
-        """num_workers=0: grade in the calling thread (errors are caught; no timeout is enforced)."""
+        """num_workers=0: grade in the calling thread (errors are caught; the timeout is a SIGALRM timer)."""
         try:
-            return GradeOutcome(OK, as_reward(self.grader(response, label, **kwargs)))
+            with _time_limit(self.config.timeout_s):
+                reward = as_reward(self.grader(response, label, **kwargs))
+            return GradeOutcome(OK, reward)
+        except _InlineTimeout:
+            return GradeOutcome(TIMEOUT, 0.0, f"grader exceeded {self.config.timeout_s:g} s")
         except Exception as exc:  # noqa: BLE001 - a failing grader scores 0, it does not stop training
             return GradeOutcome(ERROR, 0.0, describe_exception(exc), traceback.format_exc())
+
+    def _check_error_rate(self, outcomes: list[GradeOutcome]) -> None:
+        failed = [o for o in outcomes if o.status != OK]
+        if not outcomes or len(failed) <= self.config.max_error_rate * len(outcomes):
+            return
+        first = next((o for o in failed if o.traceback), failed[0])
+        errors = sum(o.status == ERROR for o in failed)
+        raise RewardFailure(
+            f"reward: {len(failed)} of {len(outcomes)} rewards of this batch failed ({errors} errors, "
+            f"{len(failed) - errors} timeouts), more than --rm-max-error-rate {self.config.max_error_rate:g}; the "
+            f"grader {getattr(self.grader, '__qualname__', self.grader)} is broken or too slow for --rm-timeout "
+            f"{self.config.timeout_s:g}. The first failure: {first.message}\n{first.traceback.rstrip()}".rstrip())
 
     def _log_failures(self, outcomes: list[GradeOutcome]) -> None:
         """Log the first failure of each kind with its traceback; later ones of that kind are only counted."""
@@ -121,6 +154,22 @@ class RewardFunction:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _InlineTimeout in this (main) thread after `seconds`: SIGALRM is the one way to stop a Python call
+    without a second process. Python code is interrupted between bytecodes; one long C call is not."""
+    def expire(_signum: int, _frame: Any) -> None:
+        raise _InlineTimeout()
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def get_reward_fn(config: RewardConfig) -> RewardFunction:

@@ -20,14 +20,16 @@ _MASK64 = (1 << 64) - 1
 class SamplingParams:
     """How a rollout engine samples; field names follow slime's --rollout-* flags."""
 
-    temperature: float = 1.0  # --rollout-temperature; 0 = greedy
-    top_p: float = 1.0  # --rollout-top-p; 1 = off
-    top_k: int = -1  # --rollout-top-k; -1 (or 0) = off
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; 0: greedy"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling; 1: off"})
+    top_k: int = field(default=-1, metadata={"help": "top-k sampling; -1 (or 0): off"})
     max_new_tokens: int = field(default=1024, metadata={"help": (
         "response budget in tokens (slime: none, the engine's context limit); 1024 here, as slime's Qwen2.5 "
         "example: the embedded engine sizes its cache by it")})
-    stop_token_ids: tuple[int, ...] = ()  # --rollout-stop-token-ids; the model's EOS ids are added unless ignore_eos
-    ignore_eos: bool = False  # --rollout-ignore-eos: do not stop at the model's EOS (explicit stop ids still stop)
+    stop_token_ids: tuple[int, ...] = field(default=(), metadata={"help": (
+        "token ids that end a response; unset: the EOS of the tokenizer in --hf-checkpoint")})
+    ignore_eos: bool = field(default=False, metadata={"help": (
+        "do not stop at the model's EOS (explicit --rollout-stop-token-ids still stop)")})
 
     @property
     def greedy(self) -> bool:

@@ -40,6 +40,11 @@ RNG_FILE = "rng.pt"
 FORMAT_VERSION = 1
 
 
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint marked complete whose files cannot be read (truncated or corrupted after it was written):
+    the loop resumes from the previous one instead."""
+
+
 # ----------------------------------------------------------------------------------------------- public API
 
 
@@ -138,7 +143,7 @@ def load_training_state(
     """
     state = read_trainer_state(path)
     _load_weights(model, os.path.join(path, MODEL_DIR))
-    opt_state = torch.load(os.path.join(path, OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+    opt_state = _read(os.path.join(path, OPTIMIZER_FILE), _torch_load)
     if optimizer is not None:
         optimizer.load_state_dict(opt_state["optimizer"])  # moves the state to each parameter's device
     if scheduler is not None:
@@ -148,7 +153,7 @@ def load_training_state(
     elif opt_state["scheduler"] is not None:
         logger.warning("%s holds a scheduler state but no scheduler was given: not restored", path)
     if restore_rng:
-        set_rng_state(torch.load(os.path.join(path, RNG_FILE), map_location="cpu", weights_only=True))
+        set_rng_state(_read(os.path.join(path, RNG_FILE), _torch_load))
     logger.info("loaded checkpoint %s (step %d)", path, state["step"])
     return state
 
@@ -344,8 +349,12 @@ def _load_weights(model: torch.nn.Module, directory: str) -> None:
         raise ValueError(f"no *.safetensors weights in {directory!r}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(os.path.join(directory, f)))
+        weights.update(_read(os.path.join(directory, f), load_file))
 
+    for name, tensor in model.state_dict().items():  # load_state_dict would list every mismatch, at length
+        if name in weights and weights[name].shape != tensor.shape:
+            raise ValueError(f"{directory}: {name} has shape {tuple(weights[name].shape)} there but "
+                             f"{tuple(tensor.shape)} in the model: a checkpoint of another model")
     result = model.load_state_dict(weights, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"{directory}: weights not in the model: {sorted(result.unexpected_keys)[:10]}")
@@ -354,3 +363,16 @@ def _load_weights(model: torch.nn.Module, directory: str) -> None:
     missing = [k for k in result.missing_keys if tensors[k].data_ptr() not in loaded]
     if missing:
         raise ValueError(f"{directory}: model weights missing from the checkpoint: {sorted(missing)[:10]}")
+
+
+def _torch_load(path: str) -> Any:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _read(path: str, loader: Any) -> Any:
+    """loader(path), any failure to read the file (missing, truncated, corrupt) as UnreadableCheckpoint."""
+    try:
+        return loader(path)
+    except Exception as exc:  # noqa: BLE001 - safetensors, zipfile, pickle and OS errors all mean "unreadable"
+        first_line = (str(exc).splitlines() or [""])[0][:200]
+        raise UnreadableCheckpoint(f"{path} is unreadable ({type(exc).__name__}: {first_line})") from exc

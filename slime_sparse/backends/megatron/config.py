@@ -19,15 +19,18 @@ MEGATRON_LM_TRACKER = "latest_checkpointed_iteration.txt"
 class MegatronConfig:
     """Megatron-specific knobs (flags `--tensor-model-parallel-size`, ... as in Megatron-LM / slime)."""
 
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False
-    use_te: bool | None = None  # None: Transformer Engine spec iff TE imports on a GPU
+    tensor_model_parallel_size: int = field(default=1, metadata={"help": "Megatron tensor-parallel ranks"})
+    pipeline_model_parallel_size: int = field(default=1, metadata={"help": "Megatron pipeline-parallel stages"})
+    sequence_parallel: bool = field(default=False, metadata={"help": "Megatron sequence parallelism (needs TP > 1)"})
+    use_te: bool | None = field(default=None, metadata={"help": (
+        "Transformer Engine layer spec; unset: when TE imports on a GPU")})
     load: str = field(default="", metadata={"help": (
         "a Megatron checkpoint made by tools/convert_hf_to_megatron.py: the Megatron learner starts from it (and "
         "keeps it as the KL reference) instead of --hf-checkpoint; slime's --ref-load, in our converter's layout")})
-    vocab_divisible_by: int = 128
-    recompute_activations: bool = False
+    vocab_divisible_by: int = field(default=128, metadata={"help": (
+        "pad the vocabulary to a multiple of this (Megatron's)")})
+    recompute_activations: bool = field(default=False, metadata={"help": (
+        "recompute activations in backward (less memory)")})
     use_distributed_optimizer: bool = field(default=True, metadata={"help": (
         "GPU only: Megatron's distributed optimizer (Adam state sharded over data-parallel ranks, the same update). "
         "Megatron's default is off; on here for the memory")})

@@ -14,35 +14,42 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SGLangEngineConfig:
     model_path: str = ""  # HF directory every server loads; filled from --hf-checkpoint by the training loop
-    # one server per GPU (TP 1 is a precondition of the budgeted cache); with --use-ray each engine runs
-    # --rollout-num-gpus-per-engine servers instead, on the GPUs of its placement-group bundles
-    num_servers: int = 1
-    host: str = "127.0.0.1"
-    # server i listens on base_port + i, the router on router_port; with --use-ray, engine e shifts them by
-    # e x its server count and by e, so the engines of one node never collide
-    base_port: int = 30000
-    router_port: int = 30100
-    use_router: bool | None = None  # None = a router exactly when num_servers > 1
-    gpu_ids: tuple[int, ...] | None = None  # None = 0 .. num_servers - 1
+    # with --use-ray each engine runs --rollout-num-gpus-per-engine servers instead, on the GPUs of its
+    # placement-group bundles
+    num_servers: int = field(default=1, metadata={"help": (
+        "SGLang servers started, one per GPU (TP 1 is a precondition of the budgeted cache)")})
+    host: str = field(default="127.0.0.1", metadata={"help": "address the servers and the router listen on"})
+    # with --use-ray, engine e shifts the ports by e x its server count and by e, so the engines of one node never
+    # collide
+    base_port: int = field(default=30000, metadata={"help": "server i listens on base port + i"})
+    router_port: int = field(default=30100, metadata={"help": "port of the router in front of the servers"})
+    use_router: bool | None = field(default=None, metadata={"help": (
+        "put a router in front of the servers; unset: exactly when there are several")})
+    gpu_ids: tuple[int, ...] | None = field(default=None, metadata={"help": (
+        "GPU of each server; unset: 0 .. --sglang-num-servers - 1")})
     attention_backend: str = field(default="fa3", metadata={"help": (
         "SGLang's attention backend (slime: SGLang's own choice); fa3 here, one of the four our KV eviction "
         "supports (fa3, flashinfer, triton, torch_native)")})
     mem_fraction_static: float = field(default=0.7, metadata={"help": (
         "SGLang's static memory fraction (slime: SGLang's default); 0.7 here, as slime's scripts pass")})
-    cuda_graph: bool = True  # decode CUDA graphs (prefill graphs are always off under compression)
-    load_format: str = "auto"  # "dummy" = random weights (smoke tests)
-    dtype: str = "auto"
-    max_running_requests: int | None = None
-    context_length: int | None = None
-    enable_memory_saver: bool = False  # colocated trainer: release/resume KV cache and weights
+    cuda_graph: bool = field(default=True, metadata={"help": (
+        "decode CUDA graphs (prefill graphs are always off under compression)")})
+    load_format: str = field(default="auto", metadata={"help": (
+        "SGLang's --load-format; dummy: random weights (smoke tests)")})
+    dtype: str = field(default="auto", metadata={"help": "SGLang's --dtype"})
+    max_running_requests: int | None = field(default=None, metadata={"help": (
+        "SGLang's --max-running-requests; unset: SGLang's choice")})
+    context_length: int | None = field(default=None, metadata={"help": "SGLang's --context-length; unset: the model's"})
+    enable_memory_saver: bool = field(default=False, metadata={"help": (
+        "release and resume the KV cache and weights around training (colocated learner)")})
     extra_args: tuple[str, ...] = ()  # pass-through server flags (every unknown --sglang-X becomes --X)
-    # Attach to servers already running (started by hand or by a cluster scheduler, with the plugin installed and
-    # SLIME_SPARSE_KV_CONFIG set) instead of launching them; requests are spread over them. With --use-ray the
-    # list is cut into --rollout-num-gpus-per-engine consecutive URLs per engine.
-    server_urls: tuple[str, ...] = ()
-    startup_timeout_s: float = 600.0
-    request_timeout_s: float = 3600.0
-    max_concurrency: int = 256  # in-flight /generate requests from this client
+    # Servers started by hand or by a cluster scheduler need the plugin installed and SLIME_SPARSE_KV_CONFIG set.
+    # With --use-ray the list is cut into --rollout-num-gpus-per-engine consecutive URLs per engine.
+    server_urls: tuple[str, ...] = field(default=(), metadata={"help": (
+        "attach to these running servers instead of launching them; requests are spread over them")})
+    startup_timeout_s: float = field(default=600.0, metadata={"help": "seconds a launched server may take to come up"})
+    request_timeout_s: float = field(default=3600.0, metadata={"help": "seconds one /generate request may take"})
+    max_concurrency: int = field(default=256, metadata={"help": "in-flight /generate requests from this client"})
 
     def validate(self) -> None:
         if self.num_servers < 1:
