@@ -19,6 +19,7 @@ from slime_sparse.tasks.repeated_add import (
     parse_prompt,
     read_jsonl,
     task_reward,
+    with_direct_answers,
     write_jsonl,
 )
 from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
@@ -58,9 +59,9 @@ def _check_scratchpad(prompt: str, response: str, label: str) -> None:
     steps = body.split(";")
     assert len(steps) == count
     total = start
-    for i, text in enumerate(steps, 1):
+    for i, text in enumerate(steps):
         k, a, b, c = map(int, re.fullmatch(r"(\d+):(\d+)\+(\d+)=(\d+)", text).groups())
-        assert (k, a, b) == (i, total, step)
+        assert (k, a, b) == (count - i, total, step)  # steps left, counting down; the state restated
         assert c == a + b
         total = c
     assert int(answer) == total == start + step * count == int(label)
@@ -81,7 +82,7 @@ def test_generated_scratchpads_are_correct():
 
 def test_hand_example():
     assert make_prompt(42, 7, 4) == "42+7*4="
-    assert make_response(42, 7, 4) == "1:42+7=49;2:49+7=56;3:56+7=63;4:63+7=70#70"
+    assert make_response(42, 7, 4) == "4:42+7=49;3:49+7=56;2:56+7=63;1:63+7=70#70"
     assert parse_prompt("42+7*4=") == (42, 7, 4)
     with pytest.raises(ValueError, match="prompt"):
         parse_prompt("42+7=")
@@ -91,8 +92,24 @@ def test_default_task_is_long_relative_to_a_small_kv_budget():
     rows = generate_dataset(500, seed=0)
     response_tokens = [len(r["response"]) + 1 for r in rows]  # char-level, + EOS
     prompt_tokens = [len(r["prompt"]) + 1 for r in rows]  # + <s>
-    assert min(response_tokens) >= 70 and sum(response_tokens) / len(rows) >= 90
+    assert min(response_tokens) >= 30 and sum(response_tokens) / len(rows) >= 50 and max(response_tokens) <= 96
     assert max(prompt_tokens) <= 10  # the prompt alone fits any budget
+
+
+def test_direct_answers_replace_a_seeded_fraction_of_the_demonstrations():
+    rows = generate_dataset(400, seed=0)
+    mixed = with_direct_answers(rows, 0.6, seed=3)
+    assert mixed == with_direct_answers(rows, 0.6, seed=3) and mixed != with_direct_answers(rows, 0.6, seed=4)
+    direct = [m for m in mixed if ":" not in m["response"]]
+    assert 0.5 < len(direct) / len(rows) < 0.7
+    for r, m in zip(rows, mixed):
+        assert (m["prompt"], m["label"]) == (r["prompt"], r["label"])
+        assert m["response"] in (r["response"], "#" + r["label"])
+        assert task_reward(m["response"], m["label"]) == 1.0  # a bare answer is a well-formed, correct demonstration
+    assert rows[0]["response"].count(";")  # the input rows are not modified
+    assert with_direct_answers(rows, 0.0, seed=0) == rows and all(m["response"][0] == "#" for m in with_direct_answers(rows, 1.0, 0))
+    with pytest.raises(ValueError, match="fraction"):
+        with_direct_answers(rows, 1.5, seed=0)
 
 
 def test_generation_is_seeded_and_splits_are_disjoint():
