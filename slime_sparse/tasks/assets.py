@@ -42,7 +42,8 @@ class AssetsConfig:
     task: RepeatedAddConfig = field(default_factory=RepeatedAddConfig)
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)  # None: no warm start
-    direct_answer_frac: float = 0.0  # warm-start demonstrations that give the bare answer (repeated_add.with_direct_answers)
+    # warm-start demonstrations that give the bare answer: RL's choice to learn (repeated_add.with_direct_answers)
+    direct_answer_frac: float = 0.55
     n_train: int = 3000  # the default ranges allow 3600 distinct problems
     n_test: int = 256
     seed: int = 0  # data, initial weights; the warm start has its own seed in its config

@@ -32,7 +32,7 @@ class WarmStartConfig:
     short still ends annealed. Such a run depends on the machine's speed: deterministic runs leave it None.
     """
 
-    steps: int = 300
+    steps: int = 600
     batch_size: int = 32
     lr: float = 3e-3
     min_lr_ratio: float = 0.05  # cosine decay ends at lr * min_lr_ratio
@@ -43,7 +43,7 @@ class WarmStartConfig:
     seed: int = 0
     time_budget_s: float | None = None
     log_every: int = 25
-    window_mask_prob: float = 0.5  # fraction of sequences trained under a prompt + recent-window mask
+    window_mask_prob: float = 0.25  # fraction of sequences trained under a prompt + recent-window mask
     window_range: tuple[int, int] = (16, 48)  # W drawn uniformly from this inclusive range per sequence
 
     def validate(self) -> None:
