@@ -510,18 +510,24 @@ def test_assets_reject_bad_config(tmp_path):
 
 @pytest.mark.slow
 def test_default_assets_land_in_the_rl_sweet_spot(tmp_path):
-    """The default build (~1.5 min on 2 free cores) gives a policy that is right part of the time,
-    keeps most of it when the cache holds the prompt + a recent window, and loses it with sinks only."""
+    """The default build (~2.5 min on 2 free cores) answers bare (a guess) for most prompts under greedy
+    decoding while its scratchpad is mostly right: GRPO has something to learn. The scratchpad survives a
+    cache of the prompt + a recent window, not one of 2 sinks + the last 8 tokens."""
     paths = build_assets(tmp_path, AssetsConfig(), log=None)
     model = Qwen2ForCausalLM.from_pretrained(str(paths.model_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(paths.model_dir))
     rows = load_rows(paths, "test")[:128]
-    greedy = evaluate(model, tokenizer, rows, max_new_tokens=192)
-    sampled = evaluate(model, tokenizer, rows, max_new_tokens=192, temperature=1.0)
-    prompt_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, keep_prompt=True)
-    sinks_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, n_sink=2)
-    assert 0.4 <= greedy.accuracy <= 0.95
-    assert 0.2 <= sampled.accuracy <= 0.8
-    assert prompt_window.accuracy >= 0.75 * greedy.accuracy
-    assert sinks_window.accuracy <= 0.3
-    assert 80 <= greedy.mean_response_tokens <= 120
+
+    def scores(**kwargs) -> tuple[float, float, float]:
+        """accuracy, fraction of bare answers, accuracy of the worked answers"""
+        gens = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=96, **kwargs)
+        correct = [task_reward(g.text, r["label"], g.finish_reason) for g, r in zip(gens, rows)]
+        worked = [c for c, g in zip(correct, gens) if not g.text.startswith("#")]
+        return sum(correct) / len(rows), 1 - len(worked) / len(rows), sum(worked) / max(1, len(worked))
+
+    greedy, bare, worked = scores()
+    assert greedy <= 0.5 and bare >= 0.5 and worked >= 0.8
+    sampled, sampled_bare, sampled_worked = scores(temperature=1.0)
+    assert 0.25 <= sampled <= 0.7 and sampled_worked >= 0.6
+    assert scores(window=16, keep_prompt=True)[2] >= 0.8 * worked
+    assert scores(window=8, n_sink=2)[2] <= 0.3
