@@ -15,6 +15,7 @@ import torch
 
 from slime_sparse.algo import CorrectionConfig, LossConfig
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
+from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.pipeline import prepare_rollout, split_steps, to_samples
 from slime_sparse.rollout.embedded import EmbeddedEngine
@@ -49,7 +50,7 @@ def grpo_on_fixed_batch(n_epochs: int, seed: int = 0) -> tuple[list[float], dict
     for s in samples:
         s.reward = float(s.response_ids[0] in set(digit_ids.tolist()))
 
-    learner = EmbeddedLearner(policy, LossConfig(eps_clip=0.2), lr=3e-3, betas=(0.9, 0.98))
+    learner = EmbeddedLearner(policy, LossConfig(eps_clip=0.2), optim=OptimConfig(lr=3e-3, betas=(0.9, 0.98)))
     curve = [expected_reward(policy, tokenizer, prompts, digit_ids)]
     prepared = prepare_rollout(samples, learner, CorrectionConfig())  # GRPO with std normalisation, no correction
     for _ in range(n_epochs):  # PPO epochs over the same samples, two optimizer steps each
