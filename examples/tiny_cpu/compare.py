@@ -1,15 +1,16 @@
 """The study: the tiny recipe under every variant and several seeds, side by side (tables + one PNG).
 
-    python examples/tiny_cpu/compare.py                                   # every variant x seeds 1 2 3
-    python examples/tiny_cpu/compare.py --jobs 2 -- --num-rollout 120     # the study of README.md
-    python examples/tiny_cpu/compare.py --variants dense naive_sparse -- --kv-budget 16 --kv-buffer 8
+    python examples/tiny_cpu/compare.py --jobs 2                          # every variant x seeds 1 2 3 (README.md)
+    python examples/tiny_cpu/compare.py --jobs 2 -- --num-rollout 60      # longer runs (anything after -- : run.py's)
+    python examples/tiny_cpu/compare.py --variants dense naive_sparse -- --kv-budget 8
 
 Each (variant, seed) is one `run.py` run in its own directory under --out (rerunning resumes / re-reads
-finished runs), so the study is made of ordinary runs a person can also plot. `--jobs N` runs N of them at
-once, each in its own process with cores / N threads (tiny models use 2 cores better as 2 x 1 thread).
-It prints the end of training per variant (mean over seeds, [min, max] across them), the paper's claims
-next to what this study measured, and writes one PNG of the curves (mean line, min-max band over seeds).
-A variant is one line in run.VARIANTS.
+finished runs, so a longer --num-rollout extends a finished study), so the study is made of ordinary runs a
+person can also plot. `--jobs N` runs N of them at once, each in its own process with cores / N threads (tiny
+models use 2 cores better as 2 x 1 thread); runs go seed by seed, so a study cut short has every variant on
+its first seeds. It prints the end of training per variant (mean over seeds, [min, max] across them), the
+paper's claims next to what this study measured, and writes one PNG of the curves (mean line, min-max band
+over seeds). A variant is a name and its extra flags: one row of run.VARIANTS.
 """
 from __future__ import annotations
 
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--jobs={args.jobs} must be >= 1")
 
     build_assets(args.cache_dir, run.ASSETS)  # once, before the runs share it
-    runs = [(v, s, os.path.join(args.out, f"{v}-seed{s}")) for v in args.variants for s in args.seeds]
+    # seed-major: a study cut short still has every variant on its first seeds
+    runs = [(v, s, os.path.join(args.out, f"{v}-seed{s}")) for s in args.seeds for v in args.variants]
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(runs)} runs, {args.jobs} at a time; logs: <run dir>.log", flush=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
