@@ -168,18 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variants", nargs="+", choices=list(run.VARIANTS), default=list(run.VARIANTS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
-    parser.add_argument("--jobs", type=int, default=1, help="runs at once (each with cores / jobs threads)")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads per run (0: cores / jobs); float sums, hence runs, depend on it")
     parser.add_argument("--out", default="runs/tiny_cpu_study")
     parser.add_argument("--plot", default=None, help="PNG path (default: <out>/study.png)")
     parser.add_argument("--cache-dir", default=".cache/tiny_assets")
     args = parser.parse_args(argv)
-    if args.jobs < 1:
-        parser.error(f"--jobs={args.jobs} must be >= 1")
+    if args.jobs < 1 or args.threads < 0:
+        parser.error(f"--jobs={args.jobs} must be >= 1 and --threads={args.threads} >= 0")
 
     build_assets(args.cache_dir, run.ASSETS)  # once, before the runs share it
     # seed-major: a study cut short still has every variant on its first seeds
     runs = [(v, s, os.path.join(args.out, f"{v}-seed{s}")) for s in args.seeds for v in args.variants]
-    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(runs)} runs, {args.jobs} at a time; logs: <run dir>.log", flush=True)
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         codes = list(pool.map(lambda r: run_one(*r, args.cache_dir, extra, threads), runs))
