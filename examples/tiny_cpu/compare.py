@@ -183,8 +183,14 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(v, s, os.path.join(args.out, f"{v}-seed{s}")) for s in args.seeds for v in args.variants]
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.jobs)
     print(f"{len(runs)} runs, {args.jobs} at a time; logs: <run dir>.log", flush=True)
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        codes = list(pool.map(lambda r: run_one(*r, args.cache_dir, extra, threads), runs))
+    def one(r: tuple[str, int, str]) -> int:
+        return run_one(*r, args.cache_dir, extra, threads)
+
+    if args.jobs == 1:  # in this thread: a run in this process (the tests) installs signal handlers
+        codes = [one(r) for r in runs]
+    else:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            codes = list(pool.map(one, runs))
     failed = [d for (_, _, d), rc in zip(runs, codes) if rc]
     if failed:
         print(f"failed runs (see their .log): {', '.join(failed)}", file=sys.stderr)
