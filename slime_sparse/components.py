@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 from slime_sparse.config import RunConfig
 from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
-from slime_sparse.eval import load_eval_sets
+from slime_sparse.eval import load_eval_sets, sparse_eval_kv
 from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner, load_tokenizer
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.reward import get_reward_fn
 from slime_sparse.utils.logging import progress_bar
 
-EVAL_KV = {"dense": KVCompressConfig(method="none")}  # evaluation modes besides "sparse" (the rollout's own KV)
+EVAL_KV = {"dense": KVCompressConfig(method="none")}  # evaluation modes besides "sparse" (eval.sparse_eval_kv)
 
 
 @dataclass
@@ -39,10 +39,11 @@ class Components:
 
     def eval_engine(self, mode: str):
         """Engine for evaluation under `mode` ("dense" or "sparse"), sharing the rollout engine's weights."""
-        if mode == "sparse":
+        if mode == "sparse" and sparse_eval_kv(self.cfg) == self.cfg.kv:
             return self.engine
         if mode not in self._eval_engines:
-            self._eval_engines[mode] = self.engine.with_kv(EVAL_KV[mode])
+            kv = sparse_eval_kv(self.cfg) if mode == "sparse" else EVAL_KV[mode]
+            self._eval_engines[mode] = self.engine.with_kv(kv)
         return self._eval_engines[mode]
 
     def save_checkpoint(self, save_dir: str, step: int) -> str:

@@ -27,7 +27,7 @@ from slime_sparse.backends.megatron.config import MEGATRON_LM_TRACKER, MegatronC
 from slime_sparse.data.prompt_dataset import DataConfig
 from slime_sparse.flags import (ARG, DISABLE_PREFIX, FIXED, NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, SPELLINGS,
                                 flag_for)
-from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.kv.config import METHODS as KV_METHODS, KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.rollout.sampling import SamplingParams
@@ -244,6 +244,9 @@ class EvalConfig:
     eval_top_k: int | None = field(default=None, metadata={"help": "top-k of evaluation; unset: --rollout-top-k"})
     eval_max_response_len: int | None = field(default=None, metadata={"help": (
         "response budget of evaluation; unset: --rollout-max-response-len")})
+    eval_kv_method: str = field(default="", metadata={"help": (
+        "evaluate \"sparse\" with this KV compression method and the --kv-* knobs even when rollouts are dense "
+        "(a dense-trained policy under compressed inference); empty: the rollout's own compression")})
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "EvalConfig":
@@ -274,6 +277,8 @@ class EvalConfig:
                 raise ValueError(f"{flag}: {name!r} is not a set name (NAME PATH pairs: the name comes first)")
             if not os.path.exists(path):
                 raise ValueError(f"{flag} {name + ' ' if name else ''}{path!r}: file does not exist")
+        if self.eval_kv_method:
+            _choice(self, "eval_kv_method", KV_METHODS[1:])  # "none" is no sparse evaluation: leave it empty
         if self.eval_max_response_len is not None:
             _positive(self, "eval_max_response_len")
         if self.eval_top_p is not None and not 0.0 < self.eval_top_p <= 1.0:
@@ -433,6 +438,8 @@ class RunConfig:
             raise ValueError(f"{flag_for('megatron', 'load')} (a Megatron checkpoint) needs "
                              f"{flag_for('train', 'train_backend')} megatron: the embedded learner starts from "
                              f"{flag_for('train', 'hf_checkpoint')}")
+        if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
+            dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(

@@ -73,6 +73,14 @@ def eval_sampling(cfg):
     )
 
 
+def sparse_eval_kv(cfg):
+    """The KV compression of the "sparse" evaluation: the rollout's, or `--eval-kv-method` with the rollout's
+    --kv-* knobs (a dense-trained policy evaluated under compression); None when neither compresses."""
+    if cfg.eval.eval_kv_method:
+        return dataclasses.replace(cfg.kv, method=cfg.eval.eval_kv_method)  # validated with the config
+    return cfg.kv if cfg.kv.enabled else None
+
+
 def eval_key(mode: str, name: str) -> str:
     """Where the evaluation of set `name` under `mode` is reported: "dense", or "dense/<name>" for a named set
     (metrics "eval_<key>/<metric>")."""
@@ -81,8 +89,8 @@ def eval_key(mode: str, name: str) -> str:
 
 def evaluate_modes(cfg, components, *, step: int, logger=None) -> dict[str, dict]:
     """Evaluate the current weights on every evaluation set under dense inference and, when compression is on,
-    under it too; returns {eval_key(mode, name): report}."""
-    modes = ["dense", "sparse"] if cfg.kv.enabled else ["dense"]
+    under it (or --eval-kv-method's) too; returns {eval_key(mode, name): report}."""
+    modes = ["dense", "sparse"] if sparse_eval_kv(cfg) is not None else ["dense"]
     out = {}
     for mode in modes:
         engine = components.eval_engine(mode)  # shares the rollout engine's (synced) weights

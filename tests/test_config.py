@@ -73,6 +73,8 @@ def test_dr_grpo_norm_len_defaults_to_response_budget(base_args):
     (["--n-samples-per-prompt", "1", "--global-batch-size", "128"], "--n-samples-per-prompt=1 .* advantage 0"),
     (["--n-samples-per-prompt", "1", "--global-batch-size", "128", "--advantage-estimator", "dr_grpo"],
      "--n-samples-per-prompt"),
+    (["--eval-kv-method", "none"], "--eval-kv-method"),
+    (["--eval-kv-method", "rkv", "--kv-budget", "8", "--kv-window", "8"], "--kv-budget"),
 ])
 def test_invalid_values_name_the_flag(base_args, extra, flag):
     with pytest.raises(ValueError, match=flag):

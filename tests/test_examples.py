@@ -1,8 +1,10 @@
-"""The GPU recipes that cannot run here still parse, and fit the layout rules the Ray groups enforce at start-up."""
+"""The recipes: the GPU ones that cannot run here still parse and fit the layout rules the Ray groups enforce at
+start-up; the tiny CPU one (the README's main job and its study) runs a short version end to end."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import sys
 
@@ -104,3 +106,61 @@ def test_real_model_summary_table(tmp_path):
     assert rows["rollout reward (T=0.7, R-KV)"] == pytest.approx((0.15, 0.75))  # steps 1-2 and 7-8
     assert rows["KV token savings"] == (0.5, 0.5)
     assert "| eval accuracy, dense (greedy, 25 problems) | 0.4000 | 0.6000 |" in real_run.summary_table(str(tmp_path))
+
+
+# ---------------------------------------------------------------- the tiny CPU recipe (the README's main job)
+
+MICRO_FLAGS = ["--num-rollout", "2", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+               "--global-batch-size", "4", "--rollout-max-response-len", "32", "--kv-budget", "12", "--kv-buffer", "4",
+               "--kv-window", "4", "--eval-max-prompts", "4", "--eval-interval", "1", "--save-interval", "1",
+               "--no-progress-bar", "--no-use-tensorboard"]
+
+
+@pytest.fixture()
+def tiny_recipe(monkeypatch):
+    """examples/tiny_cpu's run and compare modules, with micro assets (a few warm-start steps) in place of the
+    recipe's: the real recipe's flags and variants, a short run."""
+    from slime_sparse.tasks.assets import AssetsConfig
+    from slime_sparse.tasks.repeated_add import RepeatedAddConfig
+    from slime_sparse.tasks.tiny_model import TinyModelConfig
+    from slime_sparse.tasks.warm_start import WarmStartConfig
+
+    monkeypatch.syspath_prepend(os.path.join(EXAMPLES, "tiny_cpu"))
+    import compare
+    import run
+
+    micro = AssetsConfig(task=RepeatedAddConfig(min_count=2, max_count=3),
+                         model=TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                               intermediate_size=64, max_position_embeddings=128),
+                         warm_start=WarmStartConfig(steps=3, batch_size=4), direct_answer_frac=0.5, n_train=64, n_test=8)
+    monkeypatch.setattr(run, "ASSETS", micro)
+    return run, compare
+
+
+def test_tiny_recipe_short_study_runs_and_its_metrics_are_finite(tiny_recipe, tmp_path, capsys, monkeypatch):
+    run, compare = tiny_recipe
+    cache = str(tmp_path / "assets")
+
+    def in_process(variant, seed, run_dir, cache_dir, extra, threads):  # compare's child processes, in this one
+        return run.main(["--variant", variant, "--cache-dir", cache_dir, "--run-dir", run_dir, "--", *extra,
+                         "--seed", str(seed)], assets_config=run.ASSETS)
+
+    monkeypatch.setattr(compare, "run_one", in_process)
+    out = tmp_path / "study"
+    assert compare.main(["--variants", "dense", "sparse_rl", "--seeds", "1", "--out", str(out), "--cache-dir", cache,
+                         "--", *MICRO_FLAGS]) == 0
+    printed = capsys.readouterr().out
+    assert "KV token savings" in printed and "dense GRPO learns" in printed and "nan" not in printed
+    assert (out / "study.png").stat().st_size > 10_000
+
+    for variant in ("dense", "sparse_rl"):
+        rows, _ = run.summarize(str(out / f"{variant}-seed1"))
+        values = {label: (start, end) for label, start, end, _ in rows}
+        for label, (start, end) in values.items():
+            assert math.isfinite(start) and math.isfinite(end), (variant, label)
+        # both variants are evaluated under dense and sparse inference (dense: --eval-kv-method rkv)
+        assert {"eval accuracy, dense inference (greedy)", "eval accuracy, sparse inference (greedy)"} <= set(values)
+        savings = values["KV token savings"][1]
+        assert savings == 0.0 if variant == "dense" else savings > 0.0
+    table = run.summary_table(str(out / "sparse_rl-seed1"))
+    assert table.splitlines()[0].split() == ["metric", "start", "end", "change"]

@@ -19,6 +19,7 @@ from slime_sparse.tasks.repeated_add import (
     parse_prompt,
     read_jsonl,
     task_reward,
+    with_direct_answers,
     write_jsonl,
 )
 from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
@@ -58,9 +59,9 @@ def _check_scratchpad(prompt: str, response: str, label: str) -> None:
     steps = body.split(";")
     assert len(steps) == count
     total = start
-    for i, text in enumerate(steps, 1):
+    for i, text in enumerate(steps):
         k, a, b, c = map(int, re.fullmatch(r"(\d+):(\d+)\+(\d+)=(\d+)", text).groups())
-        assert (k, a, b) == (i, total, step)
+        assert (k, a, b) == (count - i, total, step)  # steps left, counting down; the state restated
         assert c == a + b
         total = c
     assert int(answer) == total == start + step * count == int(label)
@@ -81,7 +82,7 @@ def test_generated_scratchpads_are_correct():
 
 def test_hand_example():
     assert make_prompt(42, 7, 4) == "42+7*4="
-    assert make_response(42, 7, 4) == "1:42+7=49;2:49+7=56;3:56+7=63;4:63+7=70#70"
+    assert make_response(42, 7, 4) == "4:42+7=49;3:49+7=56;2:56+7=63;1:63+7=70#70"
     assert parse_prompt("42+7*4=") == (42, 7, 4)
     with pytest.raises(ValueError, match="prompt"):
         parse_prompt("42+7=")
@@ -91,8 +92,24 @@ def test_default_task_is_long_relative_to_a_small_kv_budget():
     rows = generate_dataset(500, seed=0)
     response_tokens = [len(r["response"]) + 1 for r in rows]  # char-level, + EOS
     prompt_tokens = [len(r["prompt"]) + 1 for r in rows]  # + <s>
-    assert min(response_tokens) >= 70 and sum(response_tokens) / len(rows) >= 90
+    assert min(response_tokens) >= 30 and sum(response_tokens) / len(rows) >= 50 and max(response_tokens) <= 96
     assert max(prompt_tokens) <= 10  # the prompt alone fits any budget
+
+
+def test_direct_answers_replace_a_seeded_fraction_of_the_demonstrations():
+    rows = generate_dataset(400, seed=0)
+    mixed = with_direct_answers(rows, 0.6, seed=3)
+    assert mixed == with_direct_answers(rows, 0.6, seed=3) and mixed != with_direct_answers(rows, 0.6, seed=4)
+    direct = [m for m in mixed if ":" not in m["response"]]
+    assert 0.5 < len(direct) / len(rows) < 0.7
+    for r, m in zip(rows, mixed):
+        assert (m["prompt"], m["label"]) == (r["prompt"], r["label"])
+        assert m["response"] in (r["response"], "#" + r["label"])
+        assert task_reward(m["response"], m["label"]) == 1.0  # a bare answer is a well-formed, correct demonstration
+    assert rows[0]["response"].count(";")  # the input rows are not modified
+    assert with_direct_answers(rows, 0.0, seed=0) == rows and all(m["response"][0] == "#" for m in with_direct_answers(rows, 1.0, 0))
+    with pytest.raises(ValueError, match="fraction"):
+        with_direct_answers(rows, 1.5, seed=0)
 
 
 def test_generation_is_seeded_and_splits_are_disjoint():
@@ -493,18 +510,24 @@ def test_assets_reject_bad_config(tmp_path):
 
 @pytest.mark.slow
 def test_default_assets_land_in_the_rl_sweet_spot(tmp_path):
-    """The default build (~1.5 min on 2 free cores) gives a policy that is right part of the time,
-    keeps most of it when the cache holds the prompt + a recent window, and loses it with sinks only."""
+    """The default build (~2.5 min on 2 free cores) answers bare (a guess) for most prompts under greedy
+    decoding while its scratchpad is mostly right: GRPO has something to learn. The scratchpad survives a
+    cache of the prompt + a recent window, not one of 2 sinks + the last 8 tokens."""
     paths = build_assets(tmp_path, AssetsConfig(), log=None)
     model = Qwen2ForCausalLM.from_pretrained(str(paths.model_dir)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(paths.model_dir))
     rows = load_rows(paths, "test")[:128]
-    greedy = evaluate(model, tokenizer, rows, max_new_tokens=192)
-    sampled = evaluate(model, tokenizer, rows, max_new_tokens=192, temperature=1.0)
-    prompt_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, keep_prompt=True)
-    sinks_window = evaluate(model, tokenizer, rows, max_new_tokens=192, window=24, n_sink=2)
-    assert 0.4 <= greedy.accuracy <= 0.95
-    assert 0.2 <= sampled.accuracy <= 0.8
-    assert prompt_window.accuracy >= 0.75 * greedy.accuracy
-    assert sinks_window.accuracy <= 0.3
-    assert 80 <= greedy.mean_response_tokens <= 120
+
+    def scores(**kwargs) -> tuple[float, float, float]:
+        """accuracy, fraction of bare answers, accuracy of the worked answers"""
+        gens = generate(model, tokenizer, [r["prompt"] for r in rows], max_new_tokens=96, **kwargs)
+        correct = [task_reward(g.text, r["label"], g.finish_reason) for g, r in zip(gens, rows)]
+        worked = [c for c, g in zip(correct, gens) if not g.text.startswith("#")]
+        return sum(correct) / len(rows), 1 - len(worked) / len(rows), sum(worked) / max(1, len(worked))
+
+    greedy, bare, worked = scores()
+    assert greedy <= 0.5 and bare >= 0.5 and worked >= 0.8
+    sampled, sampled_bare, sampled_worked = scores(temperature=1.0)
+    assert 0.25 <= sampled <= 0.7 and sampled_worked >= 0.6
+    assert scores(window=16, keep_prompt=True)[2] >= 0.8 * worked
+    assert scores(window=8, n_sink=2)[2] <= 0.3

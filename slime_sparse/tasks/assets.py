@@ -23,7 +23,13 @@ from typing import Callable
 
 import torch
 
-from slime_sparse.tasks.repeated_add import RepeatedAddConfig, generate_dataset, read_jsonl, write_jsonl
+from slime_sparse.tasks.repeated_add import (
+    RepeatedAddConfig,
+    generate_dataset,
+    read_jsonl,
+    with_direct_answers,
+    write_jsonl,
+)
 from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
 from slime_sparse.tasks.tokenizer import DEFAULT_CHARSET, build_char_tokenizer, save_tokenizer
 from slime_sparse.tasks.warm_start import WarmStartConfig, warm_start
@@ -36,6 +42,8 @@ class AssetsConfig:
     task: RepeatedAddConfig = field(default_factory=RepeatedAddConfig)
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)  # None: no warm start
+    # warm-start demonstrations that give the bare answer: RL's choice to learn (repeated_add.with_direct_answers)
+    direct_answer_frac: float = 0.55
     n_train: int = 3000  # the default ranges allow 3600 distinct problems
     n_test: int = 256
     seed: int = 0  # data, initial weights; the warm start has its own seed in its config
@@ -147,7 +155,8 @@ def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | N
 
     warm_metrics = None
     if config.warm_start is not None:
-        metrics = warm_start(model, tokenizer, train, config.warm_start, log=log)
+        demos = with_direct_answers(train, config.direct_answer_frac, seed=config.seed)
+        metrics = warm_start(model, tokenizer, demos, config.warm_start, log=log)
         warm_metrics = {k: v for k, v in asdict(metrics).items() if k != "losses"}
         warm_metrics["loss_curve"] = metrics.losses[:: max(1, len(metrics.losses) // 50)]
     _save_model(model, tokenizer, paths.model_dir)

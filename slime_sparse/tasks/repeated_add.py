@@ -1,27 +1,28 @@
-"""The default embedded task: repeated addition, written out as a counted scratchpad.
+"""The default embedded task: repeated addition, worked as a countdown scratchpad that restates its state.
 
     prompt   "42+7*4="
-    response "1:42+7=49;2:49+7=56;3:56+7=63;4:63+7=70#70"   then </s>
+    response "4:42+7=49;3:49+7=56;2:56+7=63;1:63+7=70#70"   then </s>
     label    "70"
 
-The prompt is an expression start + step * count; the response adds `step` to the running total
-`count` times, numbering the steps, then writes the value after '#'.
+The prompt is an expression start + step * count; the response adds `step` to the running total `count`
+times, each step written as `left:total+step=new` with `left` counting down to 1, then the value after '#'.
 
 Why this shape (measured on a 2-core CPU while choosing it):
-- Responses (~75-140 character tokens) are several times longer than a small KV budget, while
-  the prompt stays short (8-9 tokens with <s>).
-- Every step needs the running total and the step counter from the previous step (recent) and,
-  to decide whether to stop, `count` from the prompt (far back); `step` is both in the prompt and
-  in the previous step. A cache that keeps sinks + a recent window loses `count` and the model no
-  longer knows when to stop (accuracy ~0.1); one that keeps the prompt and the last 16-24 tokens
-  keeps most of the dense accuracy (with the compression-aware warm start, see warm_start.py).
-- A tiny model learns it from scratch in ~300 supervised steps (~1.5 min on 2 cores): each token
-  is a local operation (increment a counter, copy, add a digit to a short number) or a read from a
-  fixed place in the prompt. A running sum over the prompt's digits ("35274=" -> "3+5=8;8+2=10;...")
-  was tried first: the model must fetch the k-th prompt digit at step k, an induction-style pointer
-  that did not form within 300 steps (loss on those digits 0.9-2.1 nats, chance is 2.2, while the
-  arithmetic tokens were learned), so accuracy stayed below 0.1.
-- The reward checks only the final answer, so it is verifiable without trusting the scratchpad.
+- Every step restates all the state the next one needs (steps left, running total, the addend), as a
+  chain of thought carries its intermediate results forward: after the first step nothing far back is
+  needed. A KV cache that keeps the recent ~2 steps loses little; a budget below one step's worth
+  loses the thread. With R-KV at budget 24 + buffer 8 (window 8) a dense-warm-started model has a
+  sampler/learner mismatch of ~0.05 nats per token (k3) and saves ~35 % of the KV tokens; at budget 16
+  the mismatch is ~0.4 nats and the task breaks (the paper's regime is ~0.01-0.1). A warm start that
+  trains a quarter of its sequences under a prompt + recent-window mask (the default assets) brings
+  budget 16 down to ~0.08 nats with ~48 % of the KV tokens saved: the tiny recipe's setting.
+- Worked answers are 35-85 character tokens (count 3-7), several times the prompt (8-9 tokens with <s>).
+- A tiny model learns it from scratch in a few hundred supervised steps: every token is a local
+  operation (decrement a digit, copy, add a one-digit number to a short one).
+- An earlier version counted up (`1:..;2:..`), so stopping needed `count` from the prompt, far back: a
+  cache that dropped the prompt lost it, and RL on ~100-token answers did not raise accuracy.
+- The reward checks only the final answer, so it is verifiable without trusting the scratchpad. A bare
+  answer ("#70", see `with_direct_answers`) is well-formed too, and right only when the guess is.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ class RepeatedAddConfig:
     max_start: int = 99
     min_step: int = 2
     max_step: int = 9
-    min_count: int = 7
-    max_count: int = 11
+    min_count: int = 3
+    max_count: int = 7
 
     def validate(self) -> None:
         for name, low, high, floor in (
@@ -74,11 +75,11 @@ def make_prompt(start: int, step: int, count: int) -> str:
 
 
 def make_response(start: int, step: int, count: int) -> str:
-    """The reference scratchpad: `i:total+step=new` for i = 1..count, then `#answer`."""
+    """The reference scratchpad: `left:total+step=new` for left = count..1 (a countdown), then `#answer`."""
     steps = []
     total = start
-    for i in range(1, count + 1):
-        steps.append(f"{i}:{total}+{step}={total + step}")
+    for left in range(count, 0, -1):
+        steps.append(f"{left}:{total}+{step}={total + step}")
         total += step
     return ";".join(steps) + f"{ANSWER_MARK}{total}"
 
@@ -124,6 +125,18 @@ def generate_dataset(
         seen.add(prompt)
         rows.append({"prompt": prompt, "label": str(start + step * count), "response": make_response(start, step, count)})
     return rows
+
+
+def with_direct_answers(rows: list[dict], fraction: float, seed: int) -> list[dict]:
+    """A copy of `rows` where a seeded `fraction` of them answer at once ("#70", no scratchpad).
+
+    Used for the warm start's demonstrations: the model imitates both styles, and the bare answer is a guess
+    for a model this small (it cannot add `count` times in one token), so RL has a choice to learn.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"direct answer fraction={fraction} must lie in [0, 1]")
+    rng = random.Random(seed)
+    return [dict(r, response=f"{ANSWER_MARK}{r['label']}") if rng.random() < fraction else r for r in rows]
 
 
 def _in_space(prompt: str, config: RepeatedAddConfig) -> bool:
