@@ -14,6 +14,7 @@ from slime_sparse.algo import (
     grpo_advantages,
     kv_metrics,
     mismatch_metrics,
+    shadow_metrics,
     sparsity_correction,
 )
 from slime_sparse.backends.base import TrainBatch
@@ -31,7 +32,7 @@ def to_samples(records: list, outputs: list[GenerationOutput], n_samples: int) -
         samples.append(Sample(
             prompt_index=rec.index, prompt_ids=list(out.prompt_ids), response_ids=list(out.response_ids),
             rollout_logprobs=list(out.logprobs), finish_reason=out.finish_reason, label=rec.label, kv=out.kv,
-            weight_version=out.weight_version,
+            weight_version=out.weight_version, evictions=out.evictions,
         ))
     return samples
 
@@ -87,12 +88,19 @@ def prepare_rollout(
     normalize_std: bool = True,
     need_ref: bool = False,
     old: list[torch.Tensor] | None = None,
+    loss_type: str = "sparse_rl",
 ) -> PreparedRollout:
     """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
     the sparsity correction over the whole train batch.
 
     The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
     of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
+
+    loss_type shadow / smd: the PPO term trains pi_shadow, so pi_old (and pi_ref) are recomputed under each sample's
+    eviction record and nothing is corrected or rejected (pi_shadow is the sampler's policy). The dense pi_old is
+    still computed, for the mismatch metrics (how far the dense policy is from the sampler: what SMD distils) and
+    the correction's metrics (what sparse_rl would have rejected); `shadow/*` compares pi_shadow with pi_sparse
+    (~0: the recompute is exact up to the learner's numerics).
     """
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
@@ -100,8 +108,10 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
+    shadow = None if loss_type == "sparse_rl" else [s.evictions for s in samples]
+    on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
     old = dense_logprobs(samples, learner, correction) if old is None else old
-    ref = learner.compute_logprobs(tokens, response_lens, ref=True) if need_ref else None
+    ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
     mask = response_mask(response_lens)
@@ -119,6 +129,11 @@ def prepare_rollout(
         ref_logprobs=ref,
         weights=[corr.weights[i, :n] for i, n in enumerate(response_lens)],
     )
+    if shadow is not None:
+        shadow_old = learner.compute_logprobs(tokens, response_lens, **on_shadow)
+        metrics.update(shadow_metrics(pad_right(shadow_old, 0.0, dtype=torch.float32), logp_sparse, mask))
+        batch.old_logprobs, batch.evictions, batch.weights = shadow_old, shadow, None
+        batch.loss_masks = [mask[i, :n] for i, n in enumerate(response_lens)]
     return PreparedRollout(batch=batch, metrics=metrics)
 
 

@@ -140,7 +140,8 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
     if rollout.samples:  # dynamic sampling may keep no group at all (counted above): then no optimizer step
         t1 = time.perf_counter()
         prepared = prepare_rollout(rollout.samples, components.learner, cfg.correction, old=rollout.old_logprobs,
-                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref)
+                                   normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
+                                   loss_type=cfg.loss.loss_type)
         metrics["perf/recompute_s"] += time.perf_counter() - t1
         metrics.update(prepared.metrics)
         t2 = time.perf_counter()

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from slime_sparse.kv.record import EvictionRecord
+
 
 @dataclass
 class KVStats:
@@ -38,6 +40,7 @@ class GenerationOutput:
     finish_reason: str  # "stop" (EOS / stop id), "length" (max new tokens)
     kv: KVStats = field(default_factory=KVStats)
     weight_version: int = 0
+    evictions: EvictionRecord | None = None  # what the compressed cache let each token see (None: nothing evicted)
 
 
 @dataclass
@@ -55,3 +58,4 @@ class Sample:
     weight_version: int = 0
     rejected: bool = False  # the sparsity correction kept none of its tokens (set once pi_old is known)
     metadata: dict = field(default_factory=dict)
+    evictions: EvictionRecord | None = None  # the engine's record: the learner's shadow forward rebuilds its mask

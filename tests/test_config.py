@@ -75,6 +75,10 @@ def test_dr_grpo_norm_len_defaults_to_response_budget(base_args):
      "--n-samples-per-prompt"),
     (["--eval-kv-method", "none"], "--eval-kv-method"),
     (["--eval-kv-method", "rkv", "--kv-budget", "8", "--kv-window", "8"], "--kv-budget"),
+    (["--loss-type", "policy_loss"], "--loss-type"),
+    (["--loss-type", "smd", "--smd-kl-coef", "-1"], "--smd-kl-coef"),
+    (["--loss-type", "shadow", "--rollout-engine", "sglang"], "--loss-type shadow needs --rollout-engine embedded"),
+    (["--loss-type", "smd", "--train-backend", "megatron"], "--loss-type smd needs --train-backend embedded"),
 ])
 def test_invalid_values_name_the_flag(base_args, extra, flag):
     with pytest.raises(ValueError, match=flag):

@@ -7,22 +7,34 @@
 """
 from slime_sparse.algo.advantages import broadcast_to_tokens, grpo_advantages
 from slime_sparse.algo.correction import PRESETS, CorrectionConfig, CorrectionResult, sparsity_correction
-from slime_sparse.algo.loss import AGG_MODES, KL_TYPES, LossConfig, aggregate, kl_estimate, policy_loss
-from slime_sparse.algo.metrics import kv_metrics, mismatch_metrics
+from slime_sparse.algo.loss import (
+    AGG_MODES,
+    KL_TYPES,
+    LOSS_TYPES,
+    LossConfig,
+    aggregate,
+    categorical_kl,
+    kl_estimate,
+    policy_loss,
+)
+from slime_sparse.algo.metrics import kv_metrics, mismatch_metrics, shadow_metrics
 
 __all__ = [
     "AGG_MODES",
     "KL_TYPES",
+    "LOSS_TYPES",
     "PRESETS",
     "CorrectionConfig",
     "CorrectionResult",
     "LossConfig",
     "aggregate",
     "broadcast_to_tokens",
+    "categorical_kl",
     "grpo_advantages",
     "kl_estimate",
     "kv_metrics",
     "mismatch_metrics",
     "policy_loss",
+    "shadow_metrics",
     "sparsity_correction",
 ]

@@ -20,6 +20,10 @@ import torch
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# sparse_rl: PPO on the dense policy, corrected by xi (Sparse-RL). shadow: PPO on pi_shadow, the policy under the
+# sampler's own eviction mask, exactly on-policy (no correction). smd: shadow + smd_kl_coef * KL(dense || sg(shadow))
+# (Shadow Mask Distillation, arXiv 2605.06850).
+LOSS_TYPES = ("sparse_rl", "shadow", "smd")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 # log(pi_theta / pi_old) is clamped before exp, as verl does: a ratio of e^20 is already absurd and an
@@ -51,6 +55,14 @@ class LossConfig:
         "weight of the entropy bonus (subtracted from the loss)")})
     norm_len: int | None = field(default=None, metadata={"help": (
         "Dr.GRPO's constant length normaliser; unset: --rollout-max-response-len")})
+    loss_type: str = field(default="sparse_rl", metadata={"help": (
+        "sparse_rl: PPO on the dense policy with Sparse-RL's correction | shadow: PPO on pi_shadow, the policy "
+        "recomputed under the sampler's own KV eviction mask (exactly on-policy, no correction) | smd: shadow + "
+        "--smd-kl-coef * KL(pi_dense || stopgrad(pi_shadow)) (Shadow Mask Distillation). slime's --loss-type "
+        "policy_loss is sparse_rl here")})
+    smd_kl_coef: float = field(default=0.1, metadata={"help": (
+        "lambda of --loss-type smd: weight of the full-vocabulary KL(pi_dense || stopgrad(pi_shadow)) per "
+        "response token, aggregated like the policy loss (--loss-agg-mode)")})
 
     @property
     def needs_ref(self) -> bool:
@@ -83,6 +95,10 @@ class LossConfig:
             bad("kl_loss_type", self.kl_loss_type, f"choose one of {KL_TYPES}")
         if not (math.isfinite(self.kl_loss_coef) and self.kl_loss_coef >= 0):
             bad("kl_loss_coef", self.kl_loss_coef, "must be a finite number >= 0")
+        if self.loss_type not in LOSS_TYPES:
+            bad("loss_type", self.loss_type, f"choose one of {LOSS_TYPES} (slime's policy_loss is sparse_rl)")
+        if not (math.isfinite(self.smd_kl_coef) and self.smd_kl_coef >= 0):
+            bad("smd_kl_coef", self.smd_kl_coef, "must be a finite number >= 0")
         if not math.isfinite(self.entropy_coef) or self.entropy_coef < 0:
             bad("entropy_coef", self.entropy_coef, "must be a finite number >= 0")
         if self.norm_len is not None and (
@@ -164,6 +180,19 @@ def kl_estimate(logp: Tensor, logp_ref: Tensor, kind: str) -> Tensor:
     raise ValueError(f"--kl-loss-type={kind!r} is invalid: choose one of {KL_TYPES}")
 
 
+def categorical_kl(logp_p: Tensor, logp_q: Tensor) -> Tensor:
+    """Exact KL(p || q) = sum_v p_v (log p_v - log q_v) per position, from log-softmax tensors [..., V].
+
+    SMD's distillation term uses it with p = pi_dense (trained) and q = stopgrad(pi_shadow): both distributions
+    are at hand at every response token (two forwards of the same batch), so no sampled estimator is needed,
+    and a sampled one would be biased here (the tokens come from pi_shadow, not from pi_dense).
+    Vocabulary entries where p = 0 contribute 0 (the limit), even where q = 0 too.
+    """
+    p = logp_p.exp()
+    diff = torch.where(p > 0, logp_p - logp_q, torch.zeros((), dtype=logp_p.dtype, device=logp_p.device))
+    return (p * diff).sum(dim=-1)
+
+
 def policy_loss(
     logp: Tensor,
     logp_old: Tensor,
@@ -174,6 +203,7 @@ def policy_loss(
     weights: Tensor | None = None,
     logp_ref: Tensor | None = None,
     entropy: Tensor | None = None,
+    distill_kl: Tensor | None = None,
     num_seqs: Number | None = None,
     num_tokens: Number | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -188,14 +218,17 @@ def policy_loss(
         weights: [B, T] sparsity weights xi (detached), multiplied onto the clipped PPO term.
         logp_ref: [B, T] reference-policy log-probs; required when cfg.needs_ref.
         entropy: [B, T] per-token entropy of pi_theta; required when cfg.entropy_coef > 0.
+        distill_kl: [B, T] KL(pi_dense || stopgrad(pi_shadow)) per token (`categorical_kl`, graph to the dense
+            policy); required when cfg.loss_type == "smd", where `logp` / `logp_old` are the shadow policy's.
         num_seqs / num_tokens: global normalisers, see `aggregate`.
 
     Returns:
         (loss, metrics). Metrics are aggregated like the loss (same mask, mode and counts), so with
         global counts they too sum over micro-batches: "loss", "pg_loss", "pg_clipfrac" (tokens
         where the clip binds, i.e. gets zero gradient), "pg_dualclip_frac", "ppo_kl" (mean
-        logp_old - logp), "kl_loss", "entropy_loss", "loss/all_rejected" (1.0 if the mask is empty,
-        in which case the loss is a graph-connected 0 with zero gradient).
+        logp_old - logp), "kl_loss", "entropy_loss", "smd_kl" (the distillation KL, 0 unless smd),
+        "loss/all_rejected" (1.0 if the mask is empty, in which case the loss is a graph-connected 0
+        with zero gradient).
     """
     cfg.validate()
     if logp.dim() != 2 or not (logp.shape == logp_old.shape == mask.shape):
@@ -203,7 +236,7 @@ def policy_loss(
             f"logp, logp_old and mask must share one [B, T] shape, got {tuple(logp.shape)}, "
             f"{tuple(logp_old.shape)}, {tuple(mask.shape)}"
         )
-    for name, t in (("weights", weights), ("logp_ref", logp_ref), ("entropy", entropy)):
+    for name, t in (("weights", weights), ("logp_ref", logp_ref), ("entropy", entropy), ("distill_kl", distill_kl)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} must have shape {tuple(logp.shape)}, got {tuple(t.shape)}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -212,6 +245,8 @@ def policy_loss(
         raise ValueError("--use-kl-loss with --kl-loss-coef > 0 needs reference log-probs (logp_ref)")
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"--entropy-coef={cfg.entropy_coef} needs per-token entropy")
+    if (cfg.loss_type == "smd") != (distill_kl is not None):
+        raise ValueError(f"--loss-type={cfg.loss_type} {'needs' if cfg.loss_type == 'smd' else 'takes no'} distill_kl")
 
     on = mask > 0
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
@@ -222,7 +257,7 @@ def policy_loss(
 
     logp_s = safe(logp)
     if not bool(on.any()):
-        names = ("loss", "pg_loss", "pg_clipfrac", "pg_dualclip_frac", "ppo_kl", "kl_loss", "entropy_loss")
+        names = ("loss", "pg_loss", "pg_clipfrac", "pg_dualclip_frac", "ppo_kl", "kl_loss", "entropy_loss", "smd_kl")
         return logp_s.sum() * 0.0, {**{k: 0.0 for k in names}, "loss/all_rejected": 1.0}
 
     agg_kwargs = dict(num_seqs=num_seqs, num_tokens=num_tokens, norm_len=cfg.norm_len)
@@ -260,6 +295,10 @@ def policy_loss(
         entropy_loss = agg(safe(entropy))
         if cfg.entropy_coef > 0:
             loss = loss - cfg.entropy_coef * entropy_loss
+    smd_kl = zero
+    if distill_kl is not None:
+        smd_kl = agg(safe(distill_kl))
+        loss = loss + cfg.smd_kl_coef * smd_kl
 
     with torch.no_grad():
         f = torch.promote_types(logp.dtype, torch.float32)  # metrics at least in fp32, even for bf16 log-probs
@@ -271,6 +310,7 @@ def policy_loss(
             "ppo_kl": agg((old - logp_s).to(f)),
             "kl_loss": kl_loss,
             "entropy_loss": entropy_loss,
+            "smd_kl": smd_kl,
         }
         floats = torch.stack([v.detach().to(f).reshape(()) for v in values.values()]).tolist()
     metrics = dict(zip(values.keys(), floats))

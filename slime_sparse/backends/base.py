@@ -13,6 +13,7 @@ import torch
 
 from slime_sparse.algo import LossConfig, policy_loss
 from slime_sparse.backends.logprobs import pad_right
+from slime_sparse.kv.record import EvictionRecord
 
 
 @dataclass
@@ -32,6 +33,7 @@ class TrainBatch:
     old_logprobs: list[torch.Tensor] | None = None  # pi_old, dense recompute
     ref_logprobs: list[torch.Tensor] | None = None
     weights: list[torch.Tensor] | None = None  # sparsity-correction weights xi (detached)
+    evictions: list[EvictionRecord | None] | None = None  # per sample, for the shadow forward (--loss-type shadow/smd)
     num_seqs: float | None = None
     num_tokens: float | None = None
 
@@ -55,12 +57,14 @@ class TrainBatch:
         num_seqs, num_tokens = self.step_normalisers()
         return dataclasses.replace(self, num_seqs=num_seqs, num_tokens=num_tokens)
 
-    def checked_normalisers(self, *, needs_ref: bool) -> tuple[float, float]:
+    def checked_normalisers(self, *, needs_ref: bool, needs_shadow: bool = False) -> tuple[float, float]:
         """What every learner's train_step needs: inputs present, and the step's (num_seqs, num_tokens)."""
         if self.old_logprobs is None:
             raise ValueError("train_step needs old_logprobs (dense recompute) in the batch")
         if needs_ref and self.ref_logprobs is None:
             raise ValueError("--use-kl-loss needs ref_logprobs in the batch")
+        if needs_shadow and self.evictions is None:
+            raise ValueError("--loss-type shadow/smd needs the samples' eviction records in the batch (evictions)")
         return self.step_normalisers()
 
     def select(self, idx: list[int]) -> "TrainBatch":
@@ -73,26 +77,29 @@ class TrainBatch:
             old_logprobs=pick(self.old_logprobs),
             ref_logprobs=pick(self.ref_logprobs),
             weights=pick(self.weights),
+            evictions=pick(self.evictions),
             num_seqs=self.num_seqs,
             num_tokens=self.num_tokens,
         )
 
 
 def microbatch_loss(logp: torch.Tensor, entropy: torch.Tensor | None, mb: TrainBatch, cfg: LossConfig,
-                    num_seqs: float, num_tokens: float) -> tuple[torch.Tensor, dict]:
-    """`algo.policy_loss` of one micro-batch from its current log-probs [B, R] (and entropies): the batch's
-    ragged per-token fields padded to [B, R] on the log-probs' device."""
+                    num_seqs: float, num_tokens: float, distill_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """`algo.policy_loss` of one micro-batch from its current log-probs [B, R] (and entropies, and SMD's per-token
+    distillation KL): the batch's ragged per-token fields padded to [B, R] on the log-probs' device."""
     dev = logp.device
     pad = lambda xs: None if xs is None else pad_right(xs, 0.0, dtype=torch.float32, device=dev)  # noqa: E731
     return policy_loss(logp, pad(mb.old_logprobs), mb.advantages.to(dev), pad(mb.loss_masks), cfg,
                        weights=pad(mb.weights), logp_ref=pad(mb.ref_logprobs), entropy=entropy,
-                       num_seqs=num_seqs, num_tokens=num_tokens)
+                       distill_kl=distill_kl, num_seqs=num_seqs, num_tokens=num_tokens)
 
 
 class Learner(Protocol):
-    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False,
+                         shadow: list[EvictionRecord | None] | None = None) -> list[torch.Tensor]:
         """Dense (full-context) log-probs of each response token, from logits / rollout temperature as slime
-        does, so that xi = pi_old / pi_sparse compares distributions at the same temperature."""
+        does, so that xi = pi_old / pi_sparse compares distributions at the same temperature. With `shadow` (one
+        eviction record per sample): the shadow policy's instead, attending as the sampler's cache did."""
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (micro-batched inside); returns metrics (loss, grad_norm, ...)."""

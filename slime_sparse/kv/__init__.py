@@ -2,8 +2,10 @@
 
 Pure torch, no engine imports. An engine asks `schedule.should_compress` after each step and, when it says so,
 calls `compress_indices` (or `score_layer` + `select_kept`) on the cache of one sequence and keeps the returned slots.
+It records what it kept in an `EvictionRecord` (record.py), from which a learner rebuilds the sampler's attention mask.
 """
 from .config import GQA_REDUCTIONS, GRANULARITIES, METHODS, POOLINGS, TRAITS, KVCompressConfig, MethodTraits
+from .record import EvictionRecord, visible_from_kept, visible_positions
 from .schedule import peak_slots, row_capacity, should_compress
 from .scoring import (
     PROTECTED_SCORE,
@@ -27,6 +29,7 @@ __all__ = [
     "METHODS",
     "POOLINGS",
     "PROTECTED_SCORE",
+    "EvictionRecord",
     "KVCompressConfig",
     "MethodTraits",
     "TRAITS",
@@ -47,4 +50,6 @@ __all__ = [
     "should_compress",
     "snapkv_scores",
     "streaming_scores",
+    "visible_from_kept",
+    "visible_positions",
 ]

@@ -108,8 +108,9 @@ class LearnerWorker:
             pass
 
     # ---- Learner protocol (this rank's shard) ---------------------------------------------------------
-    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], ref: bool) -> list[torch.Tensor]:
-        return self.learner.compute_logprobs(tokens, response_lens, ref=ref)
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], ref: bool,
+                         shadow: list | None = None) -> list[torch.Tensor]:
+        return self.learner.compute_logprobs(tokens, response_lens, ref=ref, shadow=shadow)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train_step(batch)
@@ -220,13 +221,15 @@ class RayLearnerGroup:
 
     # ---- Learner protocol ------------------------------------------------------------------------------
     def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *,
-                         ref: bool = False) -> list[torch.Tensor]:
-        """Dense log-probs, each replica computing a token-balanced share; results in input order."""
+                         ref: bool = False, shadow: list | None = None) -> list[torch.Tensor]:
+        """Dense (or, with `shadow` records, shadow) log-probs, each replica computing a token-balanced share;
+        results in input order."""
         parts = balance_by_tokens([len(t) for t in tokens], self.dp_size)
         # every rank of a replica runs its share (TP collectives inside); an empty share has nothing to do
         calls = [(i, parts[r.dp_rank]) for i, r in enumerate(self.ranks) if parts[r.dp_rank]]
         refs = [self.workers[i].compute_logprobs.remote(
-                    [tokens[j] for j in part], [response_lens[j] for j in part], ref) for i, part in calls]
+                    [tokens[j] for j in part], [response_lens[j] for j in part], ref,
+                    None if shadow is None else [shadow[j] for j in part]) for i, part in calls]
         out: list[torch.Tensor] = [torch.empty(0)] * len(tokens)
         for (i, part), logps in zip(calls, self._call(refs, "compute_logprobs")):
             if i in self._leaders:

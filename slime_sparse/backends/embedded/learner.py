@@ -11,11 +11,18 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from slime_sparse.algo import LossConfig
+from slime_sparse.algo import LossConfig, categorical_kl
 from slime_sparse.backends.base import TrainBatch, microbatch_loss
 from slime_sparse.backends.metrics import step_metrics
 from slime_sparse.backends.batching import MicroBatching
-from slime_sparse.backends.logprobs import recompute_logprobs, response_logprobs
+from slime_sparse.backends.logprobs import (
+    picked_logprobs,
+    recompute_logprobs,
+    response_log_softmax,
+    response_logprobs,
+    response_mask,
+)
+from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.backends.optimizer import OptimConfig, adamw, check_resumed_schedule, hf_lr_scheduler
 from slime_sparse.utils.checkpoint import load_training_state, read_trainer_state, save_training_state
 from slime_sparse.utils.faults import fault_point
@@ -50,24 +57,26 @@ class EmbeddedLearner:
 
     # ---- dense recompute -------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False,
+                         shadow: list[EvictionRecord | None] | None = None) -> list[torch.Tensor]:
         model = self.ref_model if ref else self.model
-        return recompute_logprobs(model, tokens, response_lens, self.batching,
-                                  lambda m, t, r: response_logprobs(m, t, r, temperature=self.temperature)[0])
+        return recompute_logprobs(
+            model, tokens, response_lens, self.batching,
+            lambda m, t, r, s=None: response_logprobs(m, t, r, temperature=self.temperature, shadow=s)[0], shadow)
 
     # ---- update ----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's shard of the global batch)."""
-        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.needs_ref)
+        cfg = self.loss_cfg
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=cfg.needs_ref,
+                                                         needs_shadow=cfg.loss_type != "sparse_rl")
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         reported: list[dict] = []
         lr = self.scheduler.get_last_lr()[0]  # this step's
         for idx in self.batching.split([len(t) for t in batch.tokens]):
             mb = batch.select(idx)
-            logp, entropy = response_logprobs(self.model, mb.tokens, mb.response_lens, temperature=self.temperature,
-                                              with_entropy=self.loss_cfg.entropy_coef != 0)
-            loss, metrics = microbatch_loss(logp, entropy, mb, self.loss_cfg, num_seqs, num_tokens)
+            loss, metrics = self._microbatch_loss(mb, num_seqs, num_tokens)
             loss.backward()
             fault_point("learner.backward")  # chaos tests: a kill mid-step, weights half-way to updated
             reported.append({**metrics, "train/loss": loss.item()})
@@ -79,6 +88,19 @@ class EmbeddedLearner:
         self.scheduler.step()
         self.step += 1
         return {**step_metrics(reported), "train/grad_norm": float(grad_norm), "train/lr": lr}
+
+    def _microbatch_loss(self, mb: TrainBatch, num_seqs: float, num_tokens: float) -> tuple[torch.Tensor, dict]:
+        """sparse_rl: one dense forward. shadow: one shadow forward (the PPO term's policy). smd: both, the dense
+        one for the distillation KL(pi_dense || stopgrad(pi_shadow)) at every response token."""
+        cfg, temp = self.loss_cfg, self.temperature
+        shadow = None if cfg.loss_type == "sparse_rl" else mb.evictions
+        logp_all, targets = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp, shadow=shadow)
+        logp, entropy = picked_logprobs(logp_all, targets, mb.response_lens, with_entropy=cfg.entropy_coef != 0)
+        distill_kl = None
+        if cfg.loss_type == "smd":
+            dense_all, _ = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp)
+            distill_kl = categorical_kl(dense_all, logp_all.detach()) * response_mask(mb.response_lens, logp.device)
+        return microbatch_loss(logp, entropy, mb, cfg, num_seqs, num_tokens, distill_kl)
 
     def _all_reduce_grads(self) -> None:
         # loss was normalised by global counts: summing shard gradients gives the global gradient

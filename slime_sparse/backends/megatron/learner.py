@@ -31,6 +31,8 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.backends.metrics import step_metrics
 from slime_sparse.backends.optimizer import OptimConfig, check_resumed_schedule, megatron_lr_scheduler
+from slime_sparse.backends.shadow_attention import ShadowMask
+from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.utils.checkpoint import read_trainer_state
 
 from . import checkpoint as ckpt
@@ -39,6 +41,7 @@ from .hf_io import HFWeights, bucketed, export_hf_weights, load_hf_weights
 from .logprobs import check_rows, forward_logits, logprobs_from_logits
 from .model_config import ModelSpec, build_gpt_model, read_hf_config
 from .optimizer import build_optimizer
+from .shadow import shadow_masks_installed
 
 
 def _groups():
@@ -121,9 +124,11 @@ class MegatronLearner:
 
     # ---- Megatron's forward / backward schedule ------------------------------------------------
     def _run_schedule(self, model: torch.nn.Module, micro: list[list[list[int]]],
-                      on_last_stage: Callable[..., Any], *, forward_only: bool) -> None:
+                      on_last_stage: Callable[..., Any], *, forward_only: bool,
+                      shadow: list[list[EvictionRecord | None]] | None = None) -> None:
         """Run micro-batches (token rows each) through megatron-core's schedule: 1F1B across the
-        pipeline stages, a plain loop at PP=1, backward included unless `forward_only`.
+        pipeline stages, a plain loop at PP=1, backward included unless `forward_only`. With `shadow` (the
+        eviction records of each micro-batch's rows) every forward is the shadow forward (`shadow.py`).
 
         Every stage walks the same micro-batches (the schedule sets a later stage's input to the previous
         stage's output); only the last stage has logits, and it calls `on_last_stage(index, logits,
@@ -141,7 +146,14 @@ class MegatronLearner:
             def loss_func(logits, non_loss_data=False):
                 return on_last_stage(index, logits, input_ids, lengths)
 
-            return forward_logits(model, input_ids), loss_func
+            if shadow is None:
+                return forward_logits(model, input_ids), loss_func
+            cfg = self.hf_config
+            mask = ShadowMask(shadow[index], [len(t) for t in tokens], cfg["num_hidden_layers"],
+                              cfg.get("num_key_value_heads") or cfg["num_attention_heads"], cfg["num_attention_heads"],
+                              device)
+            with shadow_masks_installed(model, mask):
+                return forward_logits(model, input_ids), loss_func
 
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(enumerate(micro)), model=[model],
@@ -162,8 +174,10 @@ class MegatronLearner:
 
     # ---- dense recompute -------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False) -> list[torch.Tensor]:
-        """Dense log-probs of each response (CPU fp32 rows), on every rank. Collective."""
+    def compute_logprobs(self, tokens: list[list[int]], response_lens: list[int], *, ref: bool = False,
+                         shadow: list[EvictionRecord | None] | None = None) -> list[torch.Tensor]:
+        """Dense log-probs of each response (CPU fp32 rows), on every rank; with `shadow` (one eviction record per
+        row) the shadow policy's. Collective."""
         model = self.ref_model if ref else self.model
         if model is None:
             raise ValueError("reference log-probs requested but the learner was built without a reference model")
@@ -183,7 +197,8 @@ class MegatronLearner:
         model.eval()
         try:
             if groups:
-                self._run_schedule(model, [[tokens[i] for i in g] for g in groups], keep, forward_only=True)
+                self._run_schedule(model, [[tokens[i] for i in g] for g in groups], keep, forward_only=True,
+                                   shadow=None if shadow is None else [[shadow[i] for i in g] for g in groups])
         finally:
             model.train(was_training)
         return self._from_last_stage(out)
@@ -200,7 +215,12 @@ class MegatronLearner:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
         replica). Collective; every rank returns the same metrics."""
-        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=self.loss_cfg.needs_ref)
+        cfg = self.loss_cfg
+        if cfg.loss_type == "smd":  # RunConfig.validate refuses it; this guards direct use
+            raise ValueError("--loss-type smd needs --train-backend embedded: the Megatron learner runs one forward "
+                             "per micro-batch (its schedule), SMD needs a dense and a shadow one")
+        num_seqs, num_tokens = batch.checked_normalisers(needs_ref=cfg.needs_ref,
+                                                         needs_shadow=cfg.loss_type == "shadow")
         micro = [batch.select(idx) for idx in self.batching.split([len(t) for t in batch.tokens])]
         if self.optimizer.reduces_in_schedule and not micro:
             raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
@@ -218,7 +238,8 @@ class MegatronLearner:
             return loss, torch.ones((), dtype=torch.int, device=loss.device), {}
 
         if micro:
-            self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False)
+            self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False,
+                               shadow=[mb.evictions for mb in micro] if cfg.loss_type == "shadow" else None)
         grad_norm = self.optimizer.step()
         self.scheduler.step(1)
         self.step += 1

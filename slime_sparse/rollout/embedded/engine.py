@@ -295,7 +295,7 @@ class _Run:
                     continue
                 group = [seq] + followers[id(seq)]
                 for f in followers[id(seq)]:
-                    f.processed, f.kv = seq.processed, dataclasses.replace(seq.kv)
+                    f.processed, f.kv, f.evictions = seq.processed, dataclasses.replace(seq.kv), list(seq.evictions)
                 self._sample(group, logits[b].expand(len(group), -1))
                 live = [s for s in group if not s.finished]
                 if live and should_compress(self.cache.fill[row], self.kv, first_decode=True):
@@ -374,7 +374,9 @@ class _Run:
                 attn_mass=cache.layer_mass(row), budget=self.kv.budget,
             )
             cache.compact(row, kept)
+            held = cache.held_positions(row)  # the eviction record: what every owner's later tokens can see
             for seq in seqs:
+                seq.evictions.append((seq.processed, held))
                 seq.kv.compressions += 1
         self.stats.compressions += len(rows)
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.types import GenerationOutput, KVStats
 
 
@@ -19,6 +20,7 @@ class Sequence:
     processed: int = 0  # tokens already run through the model (their keys are, or were, in the cache)
     finish_reason: str | None = None
     kv: KVStats = field(default_factory=KVStats)
+    evictions: list[tuple[int, Tensor]] = field(default_factory=list)  # (processed, kept positions [L, Hkv, B])
 
     @property
     def length(self) -> int:
@@ -55,6 +57,7 @@ class Sequence:
             finish_reason=self.finish_reason or "length",
             kv=self.kv,
             weight_version=weight_version,
+            evictions=EvictionRecord.from_events(self.evictions),
         )
 
 
