@@ -58,9 +58,11 @@ def response_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig) -> list[torch.Tensor]:
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
+                   loss_type: str = "sparse_rl") -> list[torch.Tensor]:
     """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
-    (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples)."""
+    (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples). Under
+    shadow / smd nothing is rejected (the PPO term trains the sampler's own policy)."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     if min(response_lens) == 0:
@@ -70,7 +72,7 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig)
     kept = sparsity_correction(pad_right(old, 0.0, dtype=torch.float32), logp_sparse, response_mask(response_lens),
                                correction).seq_kept
     for s, k in zip(samples, kept.tolist()):
-        s.rejected = not k
+        s.rejected = loss_type == "sparse_rl" and not k
     return old
 
 
@@ -110,7 +112,7 @@ def prepare_rollout(
     response_lens = [len(s.response_ids) for s in samples]
     shadow = None if loss_type == "sparse_rl" else [s.evictions for s in samples]
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
-    old = dense_logprobs(samples, learner, correction) if old is None else old
+    old = dense_logprobs(samples, learner, correction, loss_type) if old is None else old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
@@ -119,7 +121,8 @@ def prepare_rollout(
 
     metrics = {**adv_metrics, **corr.metrics, **mismatch_metrics(logp_old, logp_sparse, mask), **kv_metrics([s.kv for s in samples])}
     # samples that carry a policy gradient: a nonzero advantage and a token the correction kept
-    metrics["rollout/effective_batch_size"] = float(((advantages != 0) & corr.seq_kept).sum())
+    trained = corr.seq_kept if shadow is None else torch.ones_like(corr.seq_kept)  # shadow / smd reject nothing
+    metrics["rollout/effective_batch_size"] = float(((advantages != 0) & trained).sum())
     batch = TrainBatch(
         tokens=tokens,
         response_lens=response_lens,

@@ -99,7 +99,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         samples = to_samples(records, outputs, n)
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
-        old = dense_logprobs(samples, components.learner, cfg.correction)
+        old = dense_logprobs(samples, components.learner, cfg.correction, cfg.loss.loss_type)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]

@@ -225,3 +225,19 @@ def test_put_back_returns_the_last_prompts_in_order(tmp_path):
     assert again[0] == first[3]
     with pytest.raises(ValueError, match="cannot put back 7"):
         stream.put_back(7)
+
+
+class _FixedLearner:  # dense pi_old far below the sampler's log-probs: the mis veto rejects the first sequence
+    def compute_logprobs(self, tokens, response_lens):
+        return [torch.full((n,), -20.0 if i == 0 else 0.0) for i, n in enumerate(response_lens)]
+
+
+@pytest.mark.parametrize("loss_type, rejected", [("sparse_rl", [True, False]), ("shadow", [False, False]),
+                                                 ("smd", [False, False])])
+def test_only_sparse_rl_marks_samples_rejected(loss_type, rejected):
+    from slime_sparse.algo import CorrectionConfig
+    from slime_sparse.pipeline import dense_logprobs
+
+    samples = group(0, [1, 0])
+    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"), loss_type)
+    assert [s.rejected for s in samples] == rejected  # shadow / smd train the sampler's policy: nothing rejected

@@ -164,3 +164,20 @@ def test_tiny_recipe_short_study_runs_and_its_metrics_are_finite(tiny_recipe, tm
         assert savings == 0.0 if variant == "dense" else savings > 0.0
     table = run.summary_table(str(out / "sparse_rl-seed1"))
     assert table.splitlines()[0].split() == ["metric", "start", "end", "change"]
+
+
+def test_every_tiny_recipe_variant_is_a_valid_config(tiny_recipe, tmp_path):
+    """A variant is the recipe's flags plus its row: each row must build a config that says what the row asks."""
+    run, compare = tiny_recipe
+    from slime_sparse.config import load_config
+
+    assert set(run.PAPER_VARIANTS) <= set(run.VARIANTS)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    for name, extra in run.VARIANTS.items():
+        cfg = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), *run.RECIPE, *extra])
+        assert cfg.kv.method == extra[extra.index("--kv-method") + 1], name
+        if "--loss-type" in extra:
+            assert cfg.loss.loss_type == extra[extra.index("--loss-type") + 1], name
+        if "--dynamic-sampling-filter-path" in extra:
+            assert cfg.rollout.dynamic_sampling_filter_path, name

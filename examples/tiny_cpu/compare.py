@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", nargs="+", choices=list(run.VARIANTS), default=list(run.VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(run.VARIANTS), default=run.PAPER_VARIANTS)
     parser.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
     parser.add_argument("--jobs", type=int, default=1, help="runs at once")
     parser.add_argument("--threads", type=int, default=0,

@@ -33,7 +33,15 @@ VARIANTS: dict[str, list[str]] = {
     "naive_sparse": ["--kv-method", "rkv", "--correction-preset", "none"],
     "sparse_rl": ["--kv-method", "rkv", "--correction-preset", "mis"],
     "sparse_rl_paper": ["--kv-method", "rkv", "--correction-preset", "paper"],
+    # beyond the paper's comparison (compare.py runs them when named in --variants):
+    # dynamic sampling (#18): refill the batch with groups that carry a gradient and enough kept samples
+    "sparse_rl_ds": ["--kv-method", "rkv", "--correction-preset", "mis",
+                     "--dynamic-sampling-filter-path", "check_reward_nonzero_std", "check_min_kept_samples"],
+    # Shadow Mask Distillation's answer to the same mismatch (#15): GRPO on the sampler's own masked policy
+    "shadow": ["--kv-method", "rkv", "--correction-preset", "none", "--loss-type", "shadow"],
+    "smd": ["--kv-method", "rkv", "--correction-preset", "none", "--loss-type", "smd", "--smd-kl-coef", "0.1"],
 }
+PAPER_VARIANTS = ["dense", "naive_sparse", "sparse_rl", "sparse_rl_paper"]  # the study's default rows
 
 # The tasks' defaults: a ~0.6M-parameter Qwen2 warm-started for 600 steps on demonstrations of which 55 % give
 # the bare answer ("#70") instead of the worked countdown (and a quarter are trained under a prompt + recent
