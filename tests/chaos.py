@@ -43,7 +43,7 @@ from safetensors.torch import load_file
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from slime_sparse.resume import CONFIG_KEY  # noqa: E402
+from slime_sparse.resume import CONFIG_KEY, experiment_changes  # noqa: E402
 from slime_sparse.utils.checkpoint import latest_checkpoint, list_checkpoints  # noqa: E402
 from slime_sparse.utils.faults import FAULT_ENV, RECORD_ENV, TRACE_ENV  # noqa: E402
 
@@ -247,10 +247,10 @@ def compare_checkpoints(got: Path, want: Path, *, rng: bool = True) -> list[str]
         _tensors_equal(torch.load(got / "rng.pt", weights_only=True),
                        torch.load(want / "rng.pt", weights_only=True), "rng", problems)
     sa, sb = (json.loads((p / "trainer_state.json").read_text()) for p in (got, want))
-    for state in (sa, sb):  # the run config a checkpoint records: the two runs differ by design only here
-        config = state.get("extra", {}).get(CONFIG_KEY, {})
-        config.get("log", {}).pop("run_dir", None)
-        config.get("train", {}).pop("keep_last", None)
+    # the run config a checkpoint records: its experiment part must match (resume's own rule); paths and
+    # schedule fields differ between the two runs by design
+    ca, cb = (s.get("extra", {}).pop(CONFIG_KEY, None) for s in (sa, sb))
+    problems += [f"trainer_state config: {c}" for c in experiment_changes(ca, cb or {})]
     _tensors_equal(sa, sb, "trainer_state", problems)
     shown = [f"{got.name}: {p}" for p in problems[:5]]
     return shown + ([f"{got.name}: ... and {len(problems) - 5} more differences"] if len(problems) > 5 else [])
