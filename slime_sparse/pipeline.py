@@ -58,8 +58,8 @@ def response_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
-                   loss_type: str = "sparse_rl") -> list[torch.Tensor]:
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
+                   trains_shadow: bool = False) -> list[torch.Tensor]:
     """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
     (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples). Under
     shadow / smd nothing is rejected (the PPO term trains the sampler's own policy)."""
@@ -72,7 +72,7 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     kept = sparsity_correction(pad_right(old, 0.0, dtype=torch.float32), logp_sparse, response_mask(response_lens),
                                correction).seq_kept
     for s, k in zip(samples, kept.tolist()):
-        s.rejected = loss_type == "sparse_rl" and not k
+        s.rejected = not trains_shadow and not k
     return old
 
 
@@ -90,7 +90,7 @@ def prepare_rollout(
     normalize_std: bool = True,
     need_ref: bool = False,
     old: list[torch.Tensor] | None = None,
-    loss_type: str = "sparse_rl",
+    trains_shadow: bool = False,
 ) -> PreparedRollout:
     """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
     the sparsity correction over the whole train batch.
@@ -98,7 +98,7 @@ def prepare_rollout(
     The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
     of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
 
-    loss_type shadow / smd: the PPO term trains pi_shadow, so pi_old (and pi_ref) are recomputed under each sample's
+    trains_shadow (--loss-type shadow / smd): the PPO term trains pi_shadow, so pi_old (and pi_ref) are recomputed under each sample's
     eviction record and nothing is corrected or rejected (pi_shadow is the sampler's policy). The dense pi_old is
     still computed, for the mismatch metrics (how far the dense policy is from the sampler: what SMD distils) and
     the correction's metrics (what sparse_rl would have rejected); `shadow/*` compares pi_shadow with pi_sparse
@@ -110,9 +110,9 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
-    shadow = None if loss_type == "sparse_rl" else [s.evictions for s in samples]
+    shadow = [s.evictions for s in samples] if trains_shadow else None
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
-    old = dense_logprobs(samples, learner, correction, loss_type) if old is None else old
+    old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow) if old is None else old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_old = pad_right(old, 0.0, dtype=torch.float32)
     logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)

@@ -99,7 +99,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         samples = to_samples(records, outputs, n)
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
-        old = dense_logprobs(samples, components.learner, cfg.correction, cfg.loss.loss_type)
+        old = dense_logprobs(samples, components.learner, cfg.correction, trains_shadow=cfg.loss.trains_shadow)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
@@ -141,7 +141,7 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
         t1 = time.perf_counter()
         prepared = prepare_rollout(rollout.samples, components.learner, cfg.correction, old=rollout.old_logprobs,
                                    normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
-                                   loss_type=cfg.loss.loss_type)
+                                   trains_shadow=cfg.loss.trains_shadow)
         metrics["perf/recompute_s"] += time.perf_counter() - t1
         metrics.update(prepared.metrics)
         t2 = time.perf_counter()

@@ -235,9 +235,10 @@ class _FixedLearner:  # dense pi_old far below the sampler's log-probs: the mis 
 @pytest.mark.parametrize("loss_type, rejected", [("sparse_rl", [True, False]), ("shadow", [False, False]),
                                                  ("smd", [False, False])])
 def test_only_sparse_rl_marks_samples_rejected(loss_type, rejected):
-    from slime_sparse.algo import CorrectionConfig
+    from slime_sparse.algo import CorrectionConfig, LossConfig
     from slime_sparse.pipeline import dense_logprobs
 
     samples = group(0, [1, 0])
-    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"), loss_type)
+    trains_shadow = LossConfig(loss_type=loss_type).trains_shadow
+    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"), trains_shadow=trains_shadow)
     assert [s.rejected for s in samples] == rejected  # shadow / smd train the sampler's policy: nothing rejected

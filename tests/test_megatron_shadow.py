@@ -60,7 +60,7 @@ def setup(tmp_path_factory):
                for o, r in zip(outs, [1.0, 0.0, 0.5])]
     embedded = EmbeddedLearner(model, LOSS, optim=OptimConfig(**OPTIM), batching=MicroBatching(MAX_TOKENS),
                                temperature=TEMPERATURE)
-    batch = prepare_rollout(samples, embedded, CorrectionConfig(), loss_type="shadow").batch
+    batch = prepare_rollout(samples, embedded, CorrectionConfig(), trains_shadow=True).batch
     reference = {"sampler": [torch.tensor(o.logprobs) for o in outs], "metrics": embedded.train_step(batch),
                  "grads": {n: p.grad.clone() for n, p in embedded.model.named_parameters()}}
     per_rank = spawn(_worker, 2, hf_dir, batch, [o.evictions for o in outs], result_dir=str(root), timeout_s=560)

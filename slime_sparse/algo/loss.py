@@ -65,6 +65,17 @@ class LossConfig:
         "response token, aggregated like the policy loss (--loss-agg-mode)")})
 
     @property
+    def trains_shadow(self) -> bool:
+        """shadow / smd: the PPO term trains pi_shadow, the sampler's own policy: nothing is corrected or rejected,
+        and every learner forward of it needs the samples' eviction records."""
+        return self.loss_type != "sparse_rl"
+
+    @property
+    def distills(self) -> bool:
+        """smd: a dense forward besides the shadow one, for KL(pi_dense || stopgrad(pi_shadow))."""
+        return self.loss_type == "smd"
+
+    @property
     def needs_ref(self) -> bool:
         """pi_ref is recomputed (and a reference model kept) only when the KL term weighs in the loss."""
         return self.use_kl_loss and self.kl_loss_coef > 0
@@ -245,8 +256,8 @@ def policy_loss(
         raise ValueError("--use-kl-loss with --kl-loss-coef > 0 needs reference log-probs (logp_ref)")
     if cfg.entropy_coef > 0 and entropy is None:
         raise ValueError(f"--entropy-coef={cfg.entropy_coef} needs per-token entropy")
-    if (cfg.loss_type == "smd") != (distill_kl is not None):
-        raise ValueError(f"--loss-type={cfg.loss_type} {'needs' if cfg.loss_type == 'smd' else 'takes no'} distill_kl")
+    if cfg.distills != (distill_kl is not None):
+        raise ValueError(f"--loss-type={cfg.loss_type} {'needs' if cfg.distills else 'takes no'} distill_kl")
 
     on = mask > 0
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)

@@ -69,7 +69,7 @@ class EmbeddedLearner:
         """One optimizer step over `batch` (this rank's shard of the global batch)."""
         cfg = self.loss_cfg
         num_seqs, num_tokens = batch.checked_normalisers(needs_ref=cfg.needs_ref,
-                                                         needs_shadow=cfg.loss_type != "sparse_rl")
+                                                         needs_shadow=cfg.trains_shadow)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         reported: list[dict] = []
@@ -93,11 +93,11 @@ class EmbeddedLearner:
         """sparse_rl: one dense forward. shadow: one shadow forward (the PPO term's policy). smd: both, the dense
         one for the distillation KL(pi_dense || stopgrad(pi_shadow)) at every response token."""
         cfg, temp = self.loss_cfg, self.temperature
-        shadow = None if cfg.loss_type == "sparse_rl" else mb.evictions
+        shadow = mb.evictions if cfg.trains_shadow else None
         logp_all, targets = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp, shadow=shadow)
         logp, entropy = picked_logprobs(logp_all, targets, mb.response_lens, with_entropy=cfg.entropy_coef != 0)
         distill_kl = None
-        if cfg.loss_type == "smd":
+        if cfg.distills:
             dense_all, _ = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp)
             distill_kl = categorical_kl(dense_all, logp_all.detach()) * response_mask(mb.response_lens, logp.device)
         return microbatch_loss(logp, entropy, mb, cfg, num_seqs, num_tokens, distill_kl)

@@ -216,11 +216,11 @@ class MegatronLearner:
         """One optimizer step over `batch` (this rank's DP shard; the same on every TP / PP rank of its
         replica). Collective; every rank returns the same metrics."""
         cfg = self.loss_cfg
-        if cfg.loss_type == "smd":  # RunConfig.validate refuses it; this guards direct use
+        if cfg.distills:  # RunConfig.validate refuses it; this guards direct use
             raise ValueError("--loss-type smd needs --train-backend embedded: the Megatron learner runs one forward "
                              "per micro-batch (its schedule), SMD needs a dense and a shadow one")
         num_seqs, num_tokens = batch.checked_normalisers(needs_ref=cfg.needs_ref,
-                                                         needs_shadow=cfg.loss_type == "shadow")
+                                                         needs_shadow=cfg.trains_shadow)
         micro = [batch.select(idx) for idx in self.batching.split([len(t) for t in batch.tokens])]
         if self.optimizer.reduces_in_schedule and not micro:
             raise ValueError("a data-parallel rank got no samples: --global-batch-size must be at least the "
@@ -239,7 +239,7 @@ class MegatronLearner:
 
         if micro:
             self._run_schedule(self.model, [mb.tokens for mb in micro], loss_func, forward_only=False,
-                               shadow=[mb.evictions for mb in micro] if cfg.loss_type == "shadow" else None)
+                               shadow=[mb.evictions for mb in micro] if cfg.trains_shadow else None)
         grad_norm = self.optimizer.step()
         self.scheduler.step(1)
         self.step += 1
