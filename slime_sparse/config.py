@@ -1,4 +1,4 @@
-"""Typed run configuration: one dataclass per concern, YAML + command line, validated at load time.
+"""Typed run configuration: one dataclass per concern, composed into RunConfig and validated at load time.
 
 Each component owns its config section (``LossConfig`` in ``algo``, ``KVCompressConfig`` in ``kv``, ...);
 this module only composes them. Every field has a flag (``slime_sparse.flags``): slime's name where slime has
@@ -6,32 +6,28 @@ one (``--rollout-batch-size``, ``--eps-clip``, ``--kl-loss-type``, ...), else ``
 Precedence: dataclass defaults < preset < YAML (``--config``) < flags. Loading is one uniform path:
 every source becomes ``{section: {field: value}}``, the layers are merged field by field, every section builds
 itself from its dict (``build_section``), ``RunConfig.derived`` fills what one section takes from another, and
-``RunConfig.validate`` checks each section and the rules between them.
+``RunConfig.validate`` checks each section and the rules between them. Reading flags and YAML (``load_config``,
+``build_parser``, ``save_config``): ``slime_sparse.config_loader``.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-import yaml
-
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
 from slime_sparse.backends.megatron.config import MEGATRON_LM_TRACKER, MegatronConfig  # no megatron-core import
 from slime_sparse.data.prompt_dataset import DataConfig
-from slime_sparse.flags import (ARG, DISABLE_PREFIX, FIXED, NO_FLAG, PASSTHROUGH_FIELD, SECTION_PREFIXES, SPELLINGS,
-                                flag_for)
+from slime_sparse.flags import SECTION_PREFIXES, flag_for
 from slime_sparse.kv.config import METHODS as KV_METHODS, KVCompressConfig
 from slime_sparse.reward import RewardConfig
 from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.rollout.sampling import SamplingParams
-from slime_sparse.rollout.sglang.config import SGLangEngineConfig, split_passthrough
+from slime_sparse.rollout.sglang.config import SGLangEngineConfig
 from slime_sparse.utils.checkpoint import STATE_FILE
 
 TRAIN_BACKENDS = ("embedded", "megatron")
@@ -406,7 +402,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, sections: Mapping[str, Mapping[str, Any]], source: str = "config") -> "RunConfig":
         """Every section built from its dict ({section: {field: value}}; a section left out keeps its defaults)."""
-        _check_sections(sections, source)
+        check_sections(sections, source)
         return cls(**{name: build_section(name, sections.get(name, {}), source) for name in SECTIONS})
 
     def derived(self) -> "RunConfig":
@@ -468,9 +464,6 @@ SECTIONS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig))
 if SECTIONS != tuple(SECTION_PREFIXES):
     raise RuntimeError(f"slime_sparse.flags.SECTION_PREFIXES {tuple(SECTION_PREFIXES)} must list {SECTIONS}")
 SECTION_TYPES: dict[str, type] = {name: typing.get_type_hints(RunConfig)[name] for name in SECTIONS}
-# argparse destination prefix of slime's spellings (they are no field; `_spelled_values` turns them into fields)
-SPELLING_DEST = "spelling:"
-FIXED_DEST = "fixed:"  # and of slime's flags we take at one value (flags.FIXED; checked, then dropped)
 # files of a tokenizer saved by save_pretrained (one of them is enough for AutoTokenizer)
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -486,14 +479,14 @@ def tokenizer_eos_id(model_dir: str) -> int | None:
     return None if eos is None else int(eos)
 
 
-def _field_type(cls: type, name: str) -> Any:
+def field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
-def _tuple_type(tp: Any) -> bool:
+def tuple_type(tp: Any) -> bool:
     """`tp` is a tuple annotation, or an optional one."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return any(_tuple_type(a) for a in typing.get_args(tp))
+        return any(tuple_type(a) for a in typing.get_args(tp))
     return typing.get_origin(tp) is tuple
 
 
@@ -506,114 +499,13 @@ def build_section(section: str, values: Mapping[str, Any], source: str = "config
     for key in values:
         if key not in names:
             raise ValueError(f"{source}: unknown field {section}.{key}; allowed: {', '.join(sorted(names))}")
-    typed = {key: tuple(val) if isinstance(val, list) and _tuple_type(_field_type(cls, key)) else val
+    typed = {key: tuple(val) if isinstance(val, list) and tuple_type(field_type(cls, key)) else val
              for key, val in values.items()}
     from_dict = getattr(cls, "from_dict", None)
     return from_dict(typed) if from_dict is not None else cls(**typed)
 
 
-def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
-    """Turn command-line strings into a value of annotation `tp` (int, float, str, bool, Optional, tuple). A tuple
-    flag takes several arguments (slime's nargs="+"), each of which may also be a comma-separated list."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if isinstance(raw, str) and raw.lower() in ("none", "null", ""):
-            return None
-        return _parse_value(args[0], raw, flag)
-    if origin is tuple:
-        (elem, *_rest) = typing.get_args(tp)
-        items = [x for item in (raw if isinstance(raw, list) else [raw]) for x in item.split(",") if x]
-        if elem is not str:  # numbers: "1 2" in one argument too
-            items = [x for item in items for x in item.split()]
-        return tuple(_parse_value(elem, x, flag) for x in items)
-    if tp is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ValueError(f"{flag}={raw!r} is not a boolean")
-    try:
-        return tp(raw)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag}={raw!r} is not a valid {getattr(tp, '__name__', tp)}") from None
-
-
-def build_parser(prog: str = "slime-sparse-train",
-                 description: str = "Sparse-RL training (GRPO on compressed-KV rollouts)") -> argparse.ArgumentParser:
-    """The command line: one argument group per config section (the YAML's section names), each flag's help the
-    one line in its field's metadata followed by its default."""
-    parser = argparse.ArgumentParser(
-        prog=prog, description=description, argument_default=argparse.SUPPRESS,
-        usage="%(prog)s [--config YAML] [--FLAG VALUE ...]",
-        epilog="Precedence: defaults < --correction-preset < --config YAML < flags. Any other --sglang-X goes to "
-               "every SGLang server as --X.",
-    )
-    parser.add_argument("--config", metavar="YAML",
-                        help="YAML file: {section: {field: value}}, sections as the groups below (default: unset)")
-    groups = {section: parser.add_argument_group(section, f"YAML section `{section}:`") for section in SECTIONS}
-    seen: dict[str, str] = {}
-    for section in SECTIONS:
-        cls, group = SECTION_TYPES[section], groups[section]
-        for f in fields(cls):
-            if f"{section}.{f.name}" in NO_FLAG:
-                continue
-            flag = flag_for(section, f.name)
-            if flag in seen:
-                raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and {section}.{f.name}")
-            seen[flag] = f"{section}.{f.name}"
-            tp = _field_type(cls, f.name)
-            dest = f"{section}.{f.name}"
-            if tp is bool and flag.startswith(DISABLE_PREFIX):  # slime's store_false switch
-                group.add_argument(flag, dest=dest, action="store_false",
-                                   help=_help_line(f, "off" if f.default else "on"))
-            elif tp is bool or tp == bool | None:
-                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=_help_line(f))
-            else:
-                nargs = "+" if _tuple_type(tp) else None
-                group.add_argument(flag, dest=dest, metavar=_metavar(tp), nargs=nargs, help=_help_line(f))
-    for flag, spelling in SPELLINGS.items():
-        if flag in seen:
-            raise RuntimeError(f"flag {flag} is claimed by {seen[flag]} and a slime spelling")
-        dest = SPELLING_DEST + flag
-        group = groups[next(iter(spelling["sets"])).split(".")[0]]  # the section of the fields it sets
-        if "type" in spelling:
-            group.add_argument(flag, dest=dest, metavar=spelling["type"].__name__.upper(),
-                               help=f"{spelling['help']} (default: unset)")
-        else:
-            group.add_argument(flag, dest=dest, action="store_true", help=f"{spelling['help']} (default: off)")
-    for flag, (section, tp, value, why) in FIXED.items():
-        groups[section].add_argument(flag, dest=FIXED_DEST + flag, metavar=tp.__name__.upper(),
-                                     help=f"accepted as slime's {flag} {value} only: {why} (default: {value})")
-    return parser
-
-
-def _help_line(f: dataclasses.Field, default: str | None = None) -> str:
-    """The help of a field's flag: its metadata's one line, then its default."""
-    text = f.metadata.get("help")
-    if not text or "\n" in text:
-        raise RuntimeError(f"field {f.name} needs a one-line metadata help (the text of its flag)")
-    return f"{text} (default: {_default_text(f) if default is None else default})"
-
-
-def _default_text(f: dataclasses.Field) -> str:
-    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    if value is None or value == "" or value == ():
-        return "unset"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, tuple):
-        return " ".join(map(str, value))
-    return str(value)
-
-
-def _metavar(tp: Any) -> str:
-    if typing.get_origin(tp) is tuple:  # several arguments: name one
-        return _metavar(typing.get_args(tp)[0])
-    return getattr(tp, "__name__", str(tp)).upper().replace(" ", "")
-
-
-def _check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]]:
+def check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]]:
     """`raw` is {section: {field: value}} over known sections."""
     for section, values in raw.items():
         if section not in SECTIONS:
@@ -621,151 +513,6 @@ def _check_sections(raw: Mapping, source: str) -> Mapping[str, Mapping[str, Any]
         if not isinstance(values, Mapping):
             raise ValueError(f"{source}: section {section!r} must be a mapping")
     return raw
-
-
-def _read_yaml(path: str) -> Mapping[str, Mapping[str, Any]]:
-    """{section: {field: value}} of a --config file, each value checked against its field's type."""
-    if not os.path.isfile(path):
-        raise ValueError(f"--config={path!r} does not exist")
-    with open(path, encoding="utf-8") as fh:
-        try:
-            raw = yaml.safe_load(fh) or {}
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            problem = getattr(exc, "problem", None) or type(exc).__name__
-            raise ValueError(f"--config {path}: not valid YAML{where}: {problem}") from None
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"--config {path}: must be a mapping {{section: {{field: value}}}}, got a "
-                         f"{type(raw).__name__}")
-    _check_sections(raw, path)
-    return {section: {key: _yaml_value(section, key, value, path) for key, value in values.items()}
-            for section, values in raw.items()}
-
-
-def _yaml_value(section: str, key: str, value: Any, path: str) -> Any:
-    """`value` of field `section.key` from YAML file `path`, checked against the field's annotation (unknown fields
-    pass through: build_section names them). YAML types its own values, so nothing is parsed from strings, except
-    floats: PyYAML reads `1e-6` (no dot) as a string."""
-    cls = SECTION_TYPES[section]
-    if key not in {f.name for f in fields(cls)}:
-        return value
-    tp = _field_type(cls, key)
-    try:
-        return _typed(tp, value)
-    except TypeError:
-        raise ValueError(f"--config {path}: {section}.{key}: expected {_type_name(tp)}, got {value!r}") from None
-
-
-def _typed(tp: Any, value: Any) -> Any:
-    """`value` as annotation `tp` (bool, int, float, str, Optional, tuple) or TypeError; no lossy conversion."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _typed(inner, value)
-    if origin is tuple:
-        elem = typing.get_args(tp)[0]
-        items = value if isinstance(value, (list, tuple)) else [value]  # one value: a one-element list
-        return tuple(_typed(elem, x) for x in items)
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise TypeError from None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise TypeError
-    if tp is int and isinstance(value, bool):  # a bool is an int to Python, not to a user
-        raise TypeError
-    if not isinstance(value, tp):
-        raise TypeError
-    return value
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None)) + " or null"
-    if origin is tuple:
-        elem = typing.get_args(tp)[0]
-        return "a list of " + {bool: "booleans", int: "integers", float: "numbers", str: "strings"}.get(elem, str(elem))
-    return {bool: "a boolean (true / false)", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-def _flag_values(args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """{section: {field: typed value}} of the parsed flags (dest "section.field"), slime's spellings included."""
-    out: dict[str, dict[str, Any]] = {}
-    for dest, raw in args.items():
-        if dest.startswith(FIXED_DEST):
-            _check_fixed(dest.removeprefix(FIXED_DEST), raw)
-        if dest.startswith((SPELLING_DEST, FIXED_DEST)):
-            continue
-        section, name = dest.split(".", 1)
-        tp = _field_type(SECTION_TYPES[section], name)
-        out.setdefault(section, {})[name] = raw if isinstance(raw, bool) else _parse_value(tp, raw, flag_for(section, name))
-    for (section, name), value in _spelled_values(args, out).items():
-        out.setdefault(section, {})[name] = value
-    return out
-
-
-def _check_fixed(flag: str, raw: str) -> None:
-    """A slime flag we take only at one value (flags.FIXED): that value, or a one-line refusal."""
-    _section, tp, value, why = FIXED[flag]
-    if _parse_value(tp, raw, flag) != value:
-        raise ValueError(f"{flag}={raw} is not supported ({why}): only {value} is")
-
-
-def _spelled_values(args: Mapping[str, Any], own: Mapping[str, Mapping[str, Any]]) -> dict[tuple[str, str], Any]:
-    """The field values slime's spellings given in `args` set (flags.SPELLINGS); a spelling without the one it
-    needs, or a field its own flag (in `own`) sets to another value, is refused."""
-    given = {flag: args[SPELLING_DEST + flag] for flag in SPELLINGS if SPELLING_DEST + flag in args}
-    values: dict[tuple[str, str], Any] = {}
-    for flag, raw in given.items():
-        spelling = SPELLINGS[flag]
-        needs = spelling.get("needs")
-        if needs and needs not in given:
-            raise ValueError(f"{flag} has no effect without {needs}")
-        arg = _parse_value(spelling["type"], raw, flag) if "type" in spelling else None
-        for key, value in spelling["sets"].items():
-            section, name = key.split(".", 1)
-            value = arg if value == ARG else value
-            if name in own.get(section, {}) and own[section][name] != value:
-                raise ValueError(f"{flag} sets {flag_for(section, name)}={value!r}, but it is also given as "
-                                 f"{own[section][name]!r}: use one of the two")
-            values[section, name] = value
-    return values
-
-
-def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> RunConfig:
-    """Parse flags (and the YAML they name) into a validated RunConfig. `base` is a preset dict of sections."""
-    parser = build_parser()
-    # like slime: any --sglang-X that is not ours goes to every SGLang server as --X
-    argv, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv),
-                                          {o for a in parser._actions for o in a.option_strings})
-    args = vars(parser.parse_args(argv))
-    layers = [_check_sections(base or {}, "preset")]
-    if "config" in args:
-        layers.append(_read_yaml(args.pop("config")))
-    layers.append(_flag_values(args))
-    if passthrough:
-        section, name = PASSTHROUGH_FIELD.split(".")
-        layers.append({section: {name: tuple(passthrough)}})
-    merged: dict[str, dict[str, Any]] = {}
-    for layer in layers:  # later layers win, field by field
-        for section, values in layer.items():
-            merged.setdefault(section, {}).update(values)
-    cfg = RunConfig.from_dict(merged).derived()
-    cfg.validate()
-    return cfg
-
-
-def save_config(cfg: RunConfig, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
 
 
 def _flag(section_obj: Any, name: str) -> str:

@@ -109,7 +109,7 @@ OUTPUT_HELP = "where the JSON report is written (its directory is created)"
 
 def build_eval_parser() -> argparse.ArgumentParser:
     """--help of slime-sparse-eval: the run config's flags (training's, which evaluation reads) and --output."""
-    from slime_sparse.config import build_parser
+    from slime_sparse.config_loader import build_parser
 
     parser = build_parser(prog="slime-sparse-eval", description=(
         "Evaluate a model (pass@1, avg@k, pass@k) on --eval-prompt-data (or --prompt-data) under dense or "
@@ -133,7 +133,7 @@ def prepare_output(path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_sparse.config import load_config
+    from slime_sparse.config_loader import load_config
     from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
     from slime_sparse.reward import RewardFailure, get_reward_fn
 

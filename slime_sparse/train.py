@@ -23,7 +23,8 @@ import torch
 
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
-from slime_sparse.config import LogConfig, RunConfig, load_config, save_config
+from slime_sparse.config import LogConfig, RunConfig
+from slime_sparse.config_loader import load_config, save_config
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.flags import flag_for
 from slime_sparse.pipeline import (assign_rewards, dense_logprobs, prepare_rollout, response_metrics, split_steps,

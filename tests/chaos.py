@@ -287,6 +287,23 @@ def plan_faults(kills: int, rng: random.Random, *, external: int, targets=TARGET
     return kinds
 
 
+# Rollouts a point needs to be reached at all. A prune happens at a save only once --keep-last (2) newer checkpoints
+# exist, so it may not come in the run's last rollout: armed there, the run would end with the kill unlanded.
+NEEDS_ROLLOUTS = {"checkpoint.prune": 2}
+STANDBY = "learner.backward"  # reached in every rollout
+
+
+def next_fault(specs: list[str], i: int, remaining: int) -> str:
+    """The i-th planned kind, or (swapped into place) the next planned one that can land in `remaining` rollouts;
+    the stand-by point when none can."""
+    for j in range(i, len(specs)):
+        if NEEDS_ROLLOUTS.get(specs[j], 1) <= remaining:
+            specs[i], specs[j] = specs[j], specs[i]
+            return specs[i]
+    specs[i] = STANDBY
+    return STANDBY
+
+
 def point_counts(trace: Path, pid: int) -> dict[str, int]:
     """How often process `pid` reached each fault point (written to the trace at its normal exit)."""
     for line in trace.read_text().splitlines() if trace.exists() else []:
@@ -354,7 +371,6 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
     while not done:
         n = len(report.attempts)
         final = len(report.kills) >= kills or n >= max_attempts
-        kind = "none" if final else specs[len(report.kills)]
         expected = latest_checkpoint(str(save_dir))
         step = 0
         if expected is not None:
@@ -366,6 +382,7 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
         env = dict(base_env, **{TRACE_ENV: str(trace)})
         records = out / f"faults-{n:03d}"
         remaining = num_rollout - step
+        kind = "none" if final else next_fault(specs, len(report.kills), remaining)
         armed = [] if kind in ("none", "external") else [f"{kind}@{pick_hit(rng, per_rollout[kind], remaining)}"]
         if actor_faults and not final:  # counted per engine actor, which decodes up to max_len steps a call
             armed.append(f"engine.step@{rng.randint(1, max_len)}")

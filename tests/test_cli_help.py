@@ -7,7 +7,8 @@ from dataclasses import fields
 
 import pytest
 
-from slime_sparse.config import SECTION_TYPES, SECTIONS, build_parser
+from slime_sparse.config import SECTION_TYPES, SECTIONS
+from slime_sparse.config_loader import build_parser
 from slime_sparse.eval import build_eval_parser
 from slime_sparse.flags import NO_FLAG, flag_for
 

@@ -2,7 +2,8 @@
 import pytest
 
 from slime_sparse.algo.correction import CorrectionConfig
-from slime_sparse.config import SECTIONS, RunConfig, build_parser, load_config, save_config
+from slime_sparse.config import SECTIONS, RunConfig
+from slime_sparse.config_loader import build_parser, load_config, save_config
 from slime_sparse.flags import SECTION_PREFIXES
 
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from slime_sparse.config import RunConfig, load_config
+from slime_sparse.config import RunConfig
+from slime_sparse.config_loader import load_config
 from slime_sparse.pipeline import split_steps
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.rollout import filter_hub

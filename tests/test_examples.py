@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from slime_sparse.config import load_config
+from slime_sparse.config_loader import load_config
 from slime_sparse.factory import EngineSpec
 from slime_sparse.ray.layout import ClusterLayout
 
@@ -169,7 +169,7 @@ def test_tiny_recipe_short_study_runs_and_its_metrics_are_finite(tiny_recipe, tm
 def test_every_tiny_recipe_variant_is_a_valid_config(tiny_recipe, tmp_path):
     """A variant is the recipe's flags plus its row: each row must build a config that says what the row asks."""
     run, compare = tiny_recipe
-    from slime_sparse.config import load_config
+    from slime_sparse.config_loader import load_config
 
     assert set(run.PAPER_VARIANTS) <= set(run.VARIANTS)
     data = tmp_path / "d.jsonl"

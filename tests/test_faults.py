@@ -100,3 +100,16 @@ def test_kill_9_at_a_write_point_leaves_a_loadable_run(tmp_path, point, hit, res
     with MetricsLogger(str(run_dir), use_tensorboard=False, start_step=resume_step + 1) as log:
         log.log(resume_step + 1, {"loss": 0.0})
     assert [r["step"] for r in read_metrics(str(run_dir))] == list(range(1, resume_step + 2))
+
+
+def test_chaos_driver_defers_a_prune_kill_the_last_rollout_cannot_reach():
+    """Found by the first full chaos run: a prune armed in the run's last rollout never fired (nothing to prune),
+    the run completed, and 8 of the 20 planned kills never landed."""
+    from chaos import STANDBY, next_fault
+
+    specs = ["checkpoint.prune", "metrics.write", "checkpoint.prune"]
+    assert next_fault(specs, 0, remaining=1) == "metrics.write"
+    assert specs == ["metrics.write", "checkpoint.prune", "checkpoint.prune"]  # deferred, not dropped
+    assert next_fault(specs, 1, remaining=2) == "checkpoint.prune"
+    assert next_fault(specs, 2, remaining=1) == STANDBY  # nothing left that can land: a point every rollout reaches
+    assert next_fault(["external"], 0, remaining=1) == "external"

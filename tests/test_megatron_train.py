@@ -143,7 +143,7 @@ def test_single_process_run_matches_embedded_and_resumes_exactly(assets, embedde
 
 
 def test_resume_errors_name_the_problem(assets, embedded_run, tmp_path):
-    from slime_sparse.config import load_config
+    from slime_sparse.config_loader import load_config
     from slime_sparse.factory import LearnerSpec, build_learner
 
     learner = build_learner(LearnerSpec.from_run(load_config(args(assets, tmp_path / "run", 1, *MEGATRON))))

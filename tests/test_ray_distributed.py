@@ -21,7 +21,8 @@ ray = pytest.importorskip("ray")
 
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
 from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner  # noqa: E402
-from slime_sparse.config import ClusterConfig, load_config  # noqa: E402
+from slime_sparse.config import ClusterConfig  # noqa: E402
+from slime_sparse.config_loader import load_config  # noqa: E402
 from slime_sparse.ray.build import build_ray_backends  # noqa: E402
 from slime_sparse.ray.layout import ClusterLayout, order_by_node, split_contiguous  # noqa: E402
 from slime_sparse.ray.learner_group import LearnerFailure, RayLearnerGroup  # noqa: E402

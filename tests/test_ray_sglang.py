@@ -20,7 +20,7 @@ ray = pytest.importorskip("ray")
 from sglang_fakes import fake_server_processes, fetch_state  # noqa: E402
 
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
-from slime_sparse.config import load_config  # noqa: E402
+from slime_sparse.config_loader import load_config  # noqa: E402
 from slime_sparse.factory import EngineSpec  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.ray.build import build_ray_backends  # noqa: E402

@@ -214,7 +214,7 @@ def test_server_command_and_env_carry_the_budgeted_cache():
 
 def test_passthrough_flags(tmp_path):
     """Unknown --sglang-X flags reach the servers as --X; ours land in the run config's sglang section."""
-    from slime_sparse.config import load_config
+    from slime_sparse.config_loader import load_config
 
     data = tmp_path / "p.jsonl"
     data.write_text('{"prompt": "1 2=", "label": "3"}\n')
@@ -281,7 +281,7 @@ def test_components_attach_and_evaluate_densely_on_the_same_servers(tmp_path):
     and dense evaluation reuses them per request instead of starting a second server set."""
     from slime_sparse.components import Components
     from slime_sparse.factory import EngineSpec, build_engine
-    from slime_sparse.config import load_config
+    from slime_sparse.config_loader import load_config
     from slime_sparse.rollout.base import KVView
 
     data = tmp_path / "p.jsonl"

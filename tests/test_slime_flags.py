@@ -13,7 +13,8 @@ import pytest
 
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.backends.batching import MicroBatching
-from slime_sparse.config import RunConfig, load_config
+from slime_sparse.config import RunConfig
+from slime_sparse.config_loader import load_config
 from slime_sparse.factory import LearnerSpec
 
 
