@@ -427,10 +427,11 @@ def test_a_request_that_opts_out_keeps_its_whole_cache_beside_compressed_ones(cf
 # ----------------------------------------------------------------------------------------------------------------
 # Eviction events shipped in meta_info (sglang_patches.evictions) -> the learner's EvictionRecord
 # ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make_pools", POOLS)
 @pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
-def test_shipped_evictions_are_what_the_compaction_kept_and_what_each_token_read(cfg):
+def test_shipped_evictions_are_what_the_compaction_kept_and_what_each_token_read(make_pools, cfg):
     prompt_lens = [5, 23, 14]  # snapkv cuts the 23-token prompt at the first decode step
-    sched = MiniScheduler(cfg, replica_pools(rows=4, size=160), Tables.random(len(prompt_lens), seed=7), prompt_lens)
+    sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens), seed=7), prompt_lens)
     sched.prefill()
     # SGLang may stream entries [offset, output length) at any step: what it sent (or found missing) must stay so
     sent = [(0, []) for _ in prompt_lens]
