@@ -61,7 +61,7 @@ def decode_evictions(entries: list[Any]) -> EvictionRecord | None:
             continue
         if entry == RETRACTED:
             raise NotRecordable("retracted after a compression and re-prefilled densely: its attention is no eviction "
-                                "record (give the servers more KV memory, or use --loss-type sparse_rl)")
+                                "record, so --loss-type shadow/smd cannot train on it (more KV memory avoids retractions)")
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], str)):
             raise ValueError(f"eviction entry {str(entry)[:80]!r} is not [start, held, bits]")
         start, n_held, bits = int(entry[0]), int(entry[1]), entry[2]
