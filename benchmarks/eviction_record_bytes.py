@@ -5,14 +5,22 @@ Formula (steady state): one compression per `buffer` decode tokens, each one bit
 layer and KV head (head granularity), per layer (layer), or once (model / StreamingLLM), plus a 4-byte start; the
 "positions" column is what int16 kept positions would cost instead.
 
+SGLang (`sglang_patches/evictions.py`): what meta_info["sparse_kv_evictions"] costs in the /generate answer (compact
+JSON, as SGLang's orjson writes it), for a request stepped through the plugin's trigger and encoder with random
+kept sets (the size does not depend on which slots stay), next to the record it decodes to and to what the answer
+already carries per token (the per-token cache sizes and the log-prob entries).
+
     python benchmarks/eviction_record_bytes.py
 """
 from __future__ import annotations
 
+import json
+
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from slime_sparse.kv import GRANULARITIES, KVCompressConfig
+from sglang_patches.evictions import append_at, decode_evictions, eviction_entry
+from slime_sparse.kv import GRANULARITIES, KVCompressConfig, should_compress
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 
@@ -41,6 +49,30 @@ def measured(method: str, granularity: str) -> tuple[float, int]:
     return nbytes / tokens, sum(o.kv.compressions for o in outs)
 
 
+def sglang_wire_bytes(prompt_len: int, n_tokens: int, budget: int, buffer: int) -> dict[str, float]:
+    """Bytes per output token of one request's eviction entries on the wire (and of its decoded record)."""
+    cfg = KVCompressConfig(method="rkv", budget=budget, buffer=buffer, window=8, granularity="model")
+    g = torch.Generator().manual_seed(0)
+    history: list = []
+    length, evicted = prompt_len, 0  # the row's slots; tokens evicted so far (sglang_patches.runtime)
+    for i in range(1, n_tokens):  # the decode step producing output token i
+        if should_compress(length, cfg, first_decode=i == 1):
+            kept = torch.randperm(length, generator=g)[:budget].sort().values
+            append_at(history, i, eviction_entry(length + evicted, length, kept))
+            evicted, length = evicted + length - budget, budget
+        length += 1
+    def compact(obj) -> int:
+        return len(json.dumps(obj, separators=(",", ":")))
+    record = decode_evictions(history)
+    return {
+        "wire": compact(history) / n_tokens,
+        "record": record.nbytes / n_tokens,
+        "compressions": float(record.starts.numel()),
+        "kept_sizes": compact([prompt_len + 500] * n_tokens) / n_tokens,  # ~3-4 digits a token
+        "logprobs": compact([[-0.123456789, 12345, None]] * n_tokens) / n_tokens,
+    }
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print("measured: tiny Qwen2 (4 layers, 2 KV heads), budget 64, buffer 16, 8 samples x 256 tokens")
@@ -57,6 +89,13 @@ def main() -> None:
         row = [formula_bytes_per_token(layers, heads, 512, 128, g) for g in GRANULARITIES]
         positions = formula_bytes_per_token(layers, heads, 512, 128, "head", positions=True)
         print(f"{name:<14} " + " ".join(f"{b:>8.1f}" for b in row) + f"   {positions:>24.1f}")
+    print("\nSGLang /generate answer, bytes per output token (compact JSON; granularity model, prompt 512)")
+    print(f"{'budget':>6} {'buffer':>6} {'tokens':>6} {'evictions':>9} {'record':>7} {'compr.':>6}   "
+          f"{'sparse_kv_kept':>14} {'logprob entries':>15}")
+    for budget, buffer, n_tokens in ((512, 128, 8192), (2048, 256, 8192), (64, 16, 1024)):
+        b = sglang_wire_bytes(512, n_tokens, budget, buffer)
+        print(f"{budget:>6} {buffer:>6} {n_tokens:>6} {b['wire']:>9.2f} {b['record']:>7.2f} {b['compressions']:>6.0f}   "
+              f"{b['kept_sizes']:>14.2f} {b['logprobs']:>15.2f}")
 
 
 if __name__ == "__main__":

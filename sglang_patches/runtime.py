@@ -30,6 +30,7 @@ from .compaction import (
     write_decode_queries,
     write_extend_queries,
 )
+from .evictions import EVICTIONS_INFO_KEY, RETRACTED, append_at, eviction_entry
 from .settings import DENSE_REQUEST_PARAM
 
 logger = logging.getLogger(__name__)
@@ -125,7 +126,8 @@ class SparseKVRuntime:
         For each: score the cached tokens (keys from the KV pool, queries from the rings), move the kept slots to
         the front of its req_to_token row, free the others through the allocator, and shrink seq_lens,
         seq_lens_cpu, kv_committed_len and kv_allocated_len to the kept count. The evicted count grows by the
-        same amount, so logical positions stay recoverable.
+        same amount, so logical positions stay recoverable. Each compression is shipped (record_eviction) so the
+        learner can rebuild what every later token attended to.
         """
         seq_lens_cpu = batch.seq_lens_cpu
         new_lens = seq_lens_cpu.clone()
@@ -148,6 +150,8 @@ class SparseKVRuntime:
             keys = gather_keys(k_buffers, slots)
             queries = gather_window_queries(self.q_buffers, row, length + evicted)
             kept = select_kept_slots(self.cfg, keys, queries)
+            # the row holds `length` slots = the first length + evicted tokens minus those evicted before
+            record_eviction(req, length + evicted, length, kept)
             freed = compact_row(req_to_token, row, length, kept)
             self.allocator.free(freed)
 
@@ -203,7 +207,23 @@ class SparseKVRuntime:
         return range(start, start + self.kv_pool.layer_num)
 
 
+def record_eviction(req: Any, start: int, held: int, kept: Tensor) -> None:
+    """Ship one compression with the output token its decode step produces (sglang_patches.evictions)."""
+    append_at(_eviction_history(req), len(req.output_ids), eviction_entry(start, held, kept))
+
+
 def reset_request(req: Any) -> None:
-    """A retracted request is re-prefilled densely from its tokens: it starts again with nothing evicted."""
+    """A retracted request is re-prefilled densely from its tokens: it starts again with nothing evicted.
+
+    If it had evicted something, its tokens from now on see a dense cache again, which no eviction record expresses:
+    say so on the wire (the client then returns no record for it, and a shadow loss refuses the sample)."""
+    if evicted_count(req) > 0:
+        append_at(_eviction_history(req), len(req.output_ids), RETRACTED)
     setattr(req, EVICTED_ATTR, 0)
+
+
+def _eviction_history(req: Any) -> list[Any]:
+    if req.customized_info is None:
+        req.customized_info = {}
+    return req.customized_info.setdefault(EVICTIONS_INFO_KEY, [])
 

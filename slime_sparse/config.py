@@ -430,12 +430,7 @@ class RunConfig:
             raise ValueError(f"{flag_for('data', 'prompt_data')} is required: a local jsonl or parquet file of prompts")
         if not self.train.hf_checkpoint:
             raise ValueError(f"{flag_for('train', 'hf_checkpoint')} is required: a local Hugging Face model directory")
-        loss_type = self.loss.loss_type
-        if loss_type != "sparse_rl" and self.rollout.engine != "embedded":
-            # the shadow forward needs each sample's eviction record: only the embedded engine returns one so far
-            raise ValueError(f"{flag_for('loss', 'loss_type')} {loss_type} needs {flag_for('rollout', 'engine')} "
-                             "embedded (the SGLang plugin returns no eviction records yet)")
-        if loss_type == "smd" and self.train.train_backend != "embedded":
+        if self.loss.distills and self.train.train_backend != "embedded":
             raise ValueError(f"{flag_for('loss', 'loss_type')} smd needs {flag_for('train', 'train_backend')} embedded "
                              "(a dense and a shadow forward per micro-batch; Megatron's learner runs shadow only)")
         if self.megatron.load and self.train.train_backend != "megatron":

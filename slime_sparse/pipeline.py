@@ -76,6 +76,24 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     return old
 
 
+def shadow_records(samples: list[Sample], trains_shadow: bool) -> list | None:
+    """Each sample's eviction record for the shadow forward (None under sparse_rl, which needs none).
+
+    A record of None means a dense sample; one whose cache was compressed must have a record, or its shadow
+    log-probs would silently be the dense ones (an SGLang server without the record-shipping plugin, or a request
+    retracted after a compression: the engine's log names it).
+    """
+    if not trains_shadow:
+        return None
+    for j, s in enumerate(samples):
+        if s.evictions is None and s.kv.compressions > 0:
+            raise ValueError(f"--loss-type shadow / smd: sample {j} (prompt index {s.prompt_index}) was generated under "
+                             f"{s.kv.compressions} cache compressions but came without an eviction record (an SGLang "
+                             "server whose plugin ships none, or a request retracted after a compression: see the "
+                             "engine's log)")
+    return [s.evictions for s in samples]
+
+
 @dataclass
 class PreparedRollout:
     batch: TrainBatch
@@ -110,7 +128,7 @@ def prepare_rollout(
 
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
-    shadow = [s.evictions for s in samples] if trains_shadow else None
+    shadow = shadow_records(samples, trains_shadow)
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
     old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow) if old is None else old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None

@@ -40,7 +40,9 @@ class GenerationOutput:
     finish_reason: str  # "stop" (EOS / stop id), "length" (max new tokens)
     kv: KVStats = field(default_factory=KVStats)
     weight_version: int = 0
-    evictions: EvictionRecord | None = None  # what the compressed cache let each token see (None: nothing evicted)
+    # what the compressed cache let each token see (None: nothing evicted, or, with kv.compressions > 0, an SGLang
+    # request retracted after a compression: no record can express its dense re-prefill)
+    evictions: EvictionRecord | None = None
 
 
 @dataclass

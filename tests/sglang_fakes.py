@@ -3,7 +3,7 @@
 What the fake does the way SGLang 0.5.15.post1 does it (sglang_patches.contract checks those lines of the source):
 - /generate: output_ids, meta_info.output_token_logprobs entries [logprob, token_id, null], finish_reason
   {"type": ...}, meta_info.weight_version (the version of the last update, "default" before any), and the plugin's
-  per-token meta_info["sparse_kv_kept"]; tokens are a deterministic function of the prompt and the sampling seed;
+  per-token meta_info["sparse_kv_kept"] and ["sparse_kv_evictions"]; tokens are a deterministic function of the prompt and the sampling seed;
 - /init_weights_update_group: joins a REAL torch.distributed group as SGLang's init_custom_process_group does
   (rendezvous at tcp://master_address:master_port, PrefixStore(group_name), torch's _new_process_group_helper),
   returning once the whole group is formed;
@@ -35,6 +35,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from sglang_patches.evictions import append_at, eviction_entry
+
 GROUP_TIMEOUT_S = 60.0
 
 
@@ -52,12 +54,17 @@ def fake_generation(input_ids: list[int], sp: dict, with_kept: bool, weight_vers
         "weight_version": weight_version,
     }
     if with_kept and n > 1:
-        kept, cache = [len(input_ids)], len(input_ids)
-        for _ in range(n - 1):
-            cache = 6 if cache >= 8 else cache
+        kept, cache, events = [len(input_ids)], len(input_ids), []
+        for i in range(1, n):
+            if cache >= 8:  # the plugin's event: 2 sink slots and the 4 most recent stay, before token i
+                start = len(input_ids) + i - 1
+                append_at(events, i, eviction_entry(start, cache, torch.tensor([0, 1, *range(cache - 4, cache)])))
+                cache = 6
             cache += 1
             kept.append(cache)
         meta["sparse_kv_kept"] = kept
+        if events:
+            meta["sparse_kv_evictions"] = events
     return {"output_ids": out, "meta_info": meta}
 
 

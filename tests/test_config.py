@@ -78,12 +78,18 @@ def test_dr_grpo_norm_len_defaults_to_response_budget(base_args):
     (["--eval-kv-method", "rkv", "--kv-budget", "8", "--kv-window", "8"], "--kv-budget"),
     (["--loss-type", "policy_loss"], "--loss-type"),
     (["--loss-type", "smd", "--smd-kl-coef", "-1"], "--smd-kl-coef"),
-    (["--loss-type", "shadow", "--rollout-engine", "sglang"], "--loss-type shadow needs --rollout-engine embedded"),
     (["--loss-type", "smd", "--train-backend", "megatron"], "--loss-type smd needs --train-backend embedded"),
 ])
 def test_invalid_values_name_the_flag(base_args, extra, flag):
     with pytest.raises(ValueError, match=flag):
         load_config(base_args + extra)
+
+
+@pytest.mark.parametrize("loss_type", ["shadow", "smd"])
+def test_shadow_losses_run_on_the_sglang_engine(base_args, loss_type):
+    """The SGLang plugin ships each sample's eviction record (sglang_patches/evictions.py), so both are accepted."""
+    cfg = load_config(base_args + ["--loss-type", loss_type, "--rollout-engine", "sglang"])
+    assert (cfg.loss.loss_type, cfg.rollout.engine) == (loss_type, "sglang")
 
 
 def test_missing_files_are_errors(tmp_path, base_args):

@@ -12,6 +12,8 @@ calls slime_sparse.kv.compress_indices on keys/queries taken from its own tables
 """
 from __future__ import annotations
 
+import base64
+import json
 import math
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -28,9 +30,10 @@ from sglang_patches.compaction import (
     write_decode_queries,
     write_extend_queries,
 )
+from sglang_patches.evictions import EVICTIONS_INFO_KEY, RETRACTED, NotRecordable, decode_evictions
 from sglang_patches.runtime import EVICTED_ATTR, KEPT_INFO_KEY, SparseKVRuntime, evicted_count, reset_request
 from sglang_patches.settings import DENSE_REQUEST_PARAM
-from slime_sparse.kv import KVCompressConfig, compress_indices, should_compress
+from slime_sparse.kv import EvictionRecord, KVCompressConfig, compress_indices, should_compress, visible_positions
 
 L, HQ, HKV, D = 2, 4, 2, 8  # layers, query heads, KV heads, head dim
 MAX_LEN = 96
@@ -182,6 +185,7 @@ class Expected:
     """The test's own bookkeeping: which logical tokens each request's cache should hold."""
 
     logical: list[list[int]] = field(default_factory=list)
+    events: list[list[tuple[int, list[int]]]] = field(default_factory=list)  # (tokens processed, logical kept)
 
 
 class MiniScheduler:
@@ -203,8 +207,9 @@ class MiniScheduler:
                                 {DENSE_REQUEST_PARAM: True, "__req__": None} if i in dense else None)))
             for i, n in enumerate(prompt_lens)
         ]
-        self.expected = Expected([list(range(n)) for n in prompt_lens])
+        self.expected = Expected([list(range(n)) for n in prompt_lens], [[] for _ in prompt_lens])
         self.positions_seen: list[list[int]] = [[] for _ in prompt_lens]
+        self.attended: list[dict[int, list[int]]] = [{} for _ in prompt_lens]  # decode position -> tokens it read
 
     # SGLang's prefill: slots allocated, K/V written, queries captured by our RadixAttention hook
     def prefill(self) -> None:
@@ -251,6 +256,7 @@ class MiniScheduler:
             p = int(positions[i])
             self.positions_seen[i].append(p)
             self.expected.logical[i].append(p)
+            self.attended[i][p] = list(self.expected.logical[i])
             self._write_kv(i, out[i : i + 1], torch.tensor([p]))
         fb = SimpleNamespace(forward_mode=Mode("decode"), req_pool_indices=rows, positions=positions)
         for layer in range(L):
@@ -282,6 +288,7 @@ class MiniScheduler:
             queries = [self.tables.queries[i, layer, window].transpose(0, 1) for layer in range(L)]
             kept = compress_indices(self.cfg, keys, queries)[0][0]
             self.expected.logical[i] = held[kept].tolist()
+            self.expected.events[i].append((total, held[kept].tolist()))
 
     # invariants -------------------------------------------------------------------------------------------------
     def live_slots(self) -> list[torch.Tensor]:
@@ -379,10 +386,14 @@ def test_kept_history_follows_the_budget_cycle():
 
 
 def test_reset_request_and_runtime_reset():
-    req = SimpleNamespace()
+    req = SimpleNamespace(customized_info=None, output_ids=[0, 0, 0])
     setattr(req, EVICTED_ATTR, 7)
     reset_request(req)
     assert evicted_count(req) == 0
+    # its next token comes from a dense re-prefill: said on the wire at that token's index
+    assert req.customized_info[EVICTIONS_INFO_KEY] == [0, 0, 0, RETRACTED]
+    reset_request(req)  # nothing evicted any more: nothing to say
+    assert req.customized_info[EVICTIONS_INFO_KEY] == [0, 0, 0, RETRACTED]
     sched = MiniScheduler(RKV, replica_pools(rows=1, size=64), Tables.random(1), [8])
     sched.prefill()
     sched.decode_step()
@@ -411,3 +422,75 @@ def test_a_request_that_opts_out_keeps_its_whole_cache_beside_compressed_ones(cf
     assert evicted_count(sparse) > 0 and sparse.kv_committed_len <= cfg.budget + cfg.buffer
     sched.finish_all()
     assert sched.allocator.available_size() == sched.size
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Eviction events shipped in meta_info (sglang_patches.evictions) -> the learner's EvictionRecord
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make_pools", POOLS)
+@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+def test_shipped_evictions_are_what_the_compaction_kept_and_what_each_token_read(make_pools, cfg):
+    prompt_lens = [5, 23, 14]  # snapkv cuts the 23-token prompt at the first decode step
+    sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens), seed=7), prompt_lens)
+    sched.prefill()
+    # SGLang may stream entries [offset, output length) at any step: what it sent (or found missing) must stay so
+    sent = [(0, []) for _ in prompt_lens]
+    for _ in range(30):
+        sched.decode_step()
+        sched.check_invariants()
+        for i, r in enumerate(sched.reqs):
+            history = (r.customized_info or {}).get(EVICTIONS_INFO_KEY, [])
+            n_sent, entries = sent[i]
+            # no event written below an index already streamed (padding there only stands for "nothing")
+            assert [e for e in history[:n_sent] if e] == entries
+            sent[i] = (len(r.output_ids), [e for e in history[: len(r.output_ids)] if e])
+    for i, r in enumerate(sched.reqs):
+        meta = json.loads(json.dumps(r.customized_info))  # what meta_info carries over HTTP
+        record = decode_evictions(meta[EVICTIONS_INFO_KEY])
+        events = sched.expected.events[i]
+        assert len(events) >= 2  # two compressions or more, with evictions in between
+        # (a) the events are the reference's: tokens processed before each compression, logical positions kept
+        assert record.starts.tolist() == [start for start, _ in events]
+        assert record.kept_positions()[:, 0, 0].tolist() == [kept for _, kept in events]
+        # (b) the same record the embedded engine builds from those events
+        reference = EvictionRecord.from_events([(start, torch.tensor(kept).view(1, 1, -1)) for start, kept in events])
+        assert record.shape == reference.shape == (1, 1, cfg.budget)
+        assert torch.equal(record.starts, reference.starts) and torch.equal(record.keep_bits, reference.keep_bits)
+        # (c) the learner's mask = what each token attended to: causal over the prompt (prefill), then the cache
+        n0, total = prompt_lens[i], prompt_lens[i] + 30
+        visible = visible_positions(record, total, layer=0)[0]
+        for q in range(n0):
+            assert visible[q].nonzero().flatten().tolist() == list(range(q + 1))
+        for q in range(n0, total):
+            assert visible[q].nonzero().flatten().tolist() == sched.attended[i][q], q
+
+
+def test_a_dense_request_ships_no_record_and_a_retracted_one_none_it_can_misstate():
+    sched = MiniScheduler(RKV, replica_pools(rows=3, size=160), Tables.random(2, seed=1), [23, 23], dense={1})
+    sched.prefill()
+    for _ in range(10):
+        sched.decode_step()
+    sparse, dense = sched.reqs
+    assert EVICTIONS_INFO_KEY not in dense.customized_info
+    entries = sparse.customized_info[EVICTIONS_INFO_KEY]
+    assert decode_evictions(entries) is not None
+    reset_request(sparse)  # SGLang retracts it: re-prefilled densely, so later tokens see everything again
+    with pytest.raises(NotRecordable, match="retracted"):
+        decode_evictions(sparse.customized_info[EVICTIONS_INFO_KEY])
+
+
+def test_decoding_refuses_entries_the_plugin_cannot_have_sent():
+    sched = MiniScheduler(RKV, replica_pools(rows=1, size=96), Tables.random(1, seed=2), [9])
+    sched.prefill()
+    for _ in range(24):
+        sched.decode_step()
+    entries = [e for e in sched.reqs[0].customized_info[EVICTIONS_INFO_KEY] if e]
+    assert len(entries) >= 3
+    with pytest.raises(ValueError, match="an event was lost"):
+        decode_evictions(entries[:1] + entries[2:])
+    start, held, bits = entries[0]
+    with pytest.raises(ValueError, match="bits for"):
+        decode_evictions([[start, held, base64.b64encode(base64.b64decode(bits) + b"\x00").decode()]] + entries[1:])
+    with pytest.raises(ValueError, match=r"\[start, held, bits\]"):
+        decode_evictions([[start, held]])
+    assert decode_evictions([0, None, 0]) is None

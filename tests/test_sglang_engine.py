@@ -15,6 +15,7 @@ import pytest
 import torch
 from sglang_fakes import FakeSGLang
 
+from sglang_patches.evictions import EVICTIONS_INFO_KEY, RETRACTED, eviction_entry
 from sglang_patches.settings import DENSE_REQUEST_PARAM
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
@@ -31,6 +32,7 @@ from slime_sparse.rollout.sglang import (
     server_env,
     split_passthrough,
 )
+from slime_sparse.rollout.sglang.client import parse_generate_response
 from slime_sparse.rollout.sglang.launch import wait_port_free
 
 KV = KVCompressConfig(method="rkv", budget=6, buffer=2, window=2, granularity="model")
@@ -120,6 +122,42 @@ def test_kv_stats_from_kept_counts_compressions_and_savings():
     assert dense.kept_kv_tokens == dense.dense_kv_tokens == 4 + 5 + 6 and dense.compressions == 0
     with pytest.raises(SGLangHTTPError, match="entries"):
         kv_stats_from_kept(prompt_len=4, kept=[4, 5], n_tokens=3)
+
+
+def test_samples_carry_the_eviction_record_the_server_shipped(fake):
+    """The fake cuts its cache 8 -> 6 keeping 2 sinks and the 4 most recent tokens: prompt [1, 2, 3] and 12 tokens
+    compress after 8, 10 and 12 processed tokens (cache sizes 3, 4, ..., 8, 7, 8, 7, 8, 7, 8, 7)."""
+    engine = SGLangRolloutEngine([fake.url], KV, timeout_s=10)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=12), seed=0)[0]
+    record = out.evictions
+    assert record.starts.tolist() == [8, 10, 12] and record.shape == (1, 1, 6)
+    assert record.kept_positions()[:, 0, 0].tolist() == [[0, 1, s - 4, s - 3, s - 2, s - 1] for s in (8, 10, 12)]
+    assert out.kv.compressions == 3
+    short = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5), seed=0)[0]
+    assert short.evictions is None and short.kv.compressions == 0  # never compressed: a dense sample
+
+
+def _answer(meta_extra: dict) -> dict:
+    n = 4
+    meta = {"id": "rid-7", "finish_reason": {"type": "length"}, "output_token_logprobs": [[-1.0, 5, None]] * n,
+            "sparse_kv_kept": [9, 10, 9, 10], **meta_extra}
+    return {"output_ids": [5] * n, "meta_info": meta}
+
+
+def test_a_retracted_request_comes_without_record_and_bad_entries_name_the_request(caplog):
+    entry = eviction_entry(9, 9, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7]))
+    ok = parse_generate_response(list(range(8)), _answer({EVICTIONS_INFO_KEY: [0, 0, entry]}), True, 0)
+    assert ok.evictions.starts.tolist() == [9] and ok.kv.compressions == 1
+    with caplog.at_level("WARNING"):
+        retracted = parse_generate_response(list(range(8)), _answer({EVICTIONS_INFO_KEY: [0, 0, entry, RETRACTED]}),
+                                            True, 0)
+    assert retracted.evictions is None and retracted.kv.compressions == 1  # a shadow loss will refuse it
+    assert "rid-7" in caplog.text and "retracted" in caplog.text
+    with pytest.raises(SGLangHTTPError, match="request rid-7: .*sparse_kv_evictions.*an event was lost"):
+        parse_generate_response(list(range(8)), _answer({EVICTIONS_INFO_KEY: [0, 0, [9, 7, entry[2]]]}), True, 0)
+    late = eviction_entry(11, 11, torch.arange(8))  # after more tokens than the sequence has before its last step
+    with pytest.raises(SGLangHTTPError, match="request rid-7: a compression after 11 tokens of a 11-token"):
+        parse_generate_response(list(range(7)), _answer({EVICTIONS_INFO_KEY: [0, late]}), True, 0)
 
 
 def test_engine_refuses_a_server_without_the_plugin():

@@ -26,6 +26,7 @@ from sglang_patches.preconditions import (
     check_server_args,
     raise_if_problems,
 )
+from sglang_patches.evictions import EVICTIONS_INFO_KEY, RETRACTED
 from sglang_patches.runtime import EVICTED_ATTR
 from sglang_patches.settings import ENV_VAR, config_from_environ, decode_config, encode_config
 from slime_sparse.kv import KVCompressConfig
@@ -204,9 +205,10 @@ def test_flush_resets_only_on_success_and_retract_resets_request(runtime):
     assert runtime.calls == []
     after_flush_cache(True, None)
     assert runtime.calls == ["reset"]
-    req = SimpleNamespace(**{EVICTED_ATTR: 12})
+    req = SimpleNamespace(customized_info=None, output_ids=[4, 5], **{EVICTED_ATTR: 12})
     after_reset_for_retract(None, req)
     assert getattr(req, EVICTED_ATTR) == 0
+    assert req.customized_info == {EVICTIONS_INFO_KEY: [0, 0, RETRACTED]}  # its record ends being one
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,9 +247,11 @@ def test_sglang_hook_registry_applies_every_hook(monkeypatch):
     dummy = Req.__new__(Req)
     dummy.retraction_count = 0
     dummy.input_embeds = None  # the two attributes reset_for_retract reads; it assigns the rest
+    dummy.customized_info, dummy.output_ids = None, [4, 5]  # what our hook reads (Req.__init__ sets them)
     setattr(dummy, EVICTED_ATTR, 9)
     Req.reset_for_retract(dummy)
     assert getattr(dummy, EVICTED_ATTR) == 0 and dummy.kv_committed_len == 0
+    assert dummy.customized_info == {EVICTIONS_INFO_KEY: [0, 0, RETRACTED]}
 
     # and a missing target is reported, not ignored
     HookRegistry._patched.discard(HOOKS[0].target)

@@ -11,11 +11,11 @@ from slime_sparse.algo import CorrectionConfig, LossConfig, categorical_kl, poli
 from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.optimizer import OptimConfig
-from slime_sparse.kv import KVCompressConfig
-from slime_sparse.pipeline import prepare_rollout
+from slime_sparse.kv import EvictionRecord, KVCompressConfig
+from slime_sparse.pipeline import prepare_rollout, shadow_records
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine, KVTraceRecord
-from slime_sparse.types import Sample
+from slime_sparse.types import KVStats, Sample
 
 TEMP = 0.9
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -179,3 +179,21 @@ def test_shadow_rollout_trains_on_pi_shadow_without_correction():
     shadow.batch.evictions = None
     with pytest.raises(ValueError, match="eviction records"):
         learner.train_step(shadow.batch)
+
+
+def test_a_compressed_sample_without_record_is_refused_by_the_shadow_losses_only():
+    """An SGLang sample retracted after a compression (or from a server whose plugin ships no records) has
+    compressions but no record: its shadow log-probs would silently be dense ones."""
+    record = EvictionRecord.from_events([(5, torch.tensor([0, 1, 4]).view(1, 1, 3))])
+    ok = Sample(prompt_index=0, prompt_ids=[1] * 4, response_ids=[2] * 3, rollout_logprobs=[0.0] * 3,
+                finish_reason="length", kv=KVStats(compressions=1), evictions=record)
+    dense = Sample(prompt_index=0, prompt_ids=[1] * 4, response_ids=[2] * 3, rollout_logprobs=[0.0] * 3,
+                   finish_reason="length")
+    lost = Sample(prompt_index=3, prompt_ids=[1] * 4, response_ids=[2] * 3, rollout_logprobs=[0.0] * 3,
+                  finish_reason="length", kv=KVStats(compressions=2))
+    assert shadow_records([ok, dense], trains_shadow=True) == [record, None]
+    assert shadow_records([ok, lost], trains_shadow=False) is None
+    for loss_type in ("shadow", "smd"):
+        with pytest.raises(ValueError, match="--loss-type shadow / smd: sample 2 \\(prompt index 3\\) .* 2 cache "
+                                             "compressions but came without an eviction record"):
+            shadow_records([ok, dense, lost], LossConfig(loss_type=loss_type).trains_shadow)

@@ -4,7 +4,8 @@ slime_sparse installed with its `sglang.srt.plugins` entry point).
 A tiny Qwen2 config with random weights (--load-format dummy, fixed seed inside SGLang), token ids in and out
 (--skip-tokenizer-init). Checks, each with CUDA graphs on and off:
 1. budget >= sequence length: greedy tokens and log-probs identical to the unpatched server;
-2. small budget: every request completes, the cache really was compressed (meta_info sparse_kv_kept), and the
+2. small budget: every request completes, the cache really was compressed (meta_info sparse_kv_kept), each sample
+   carries its eviction record (meta_info sparse_kv_evictions, for --loss-type shadow / smd), and the
    allocator returns to full (SGLang's idle leak check made strict: a leak kills the server);
 3. the same after a weight update through update_weights_from_tensor (same weights re-sent);
 4. dense evaluation on the small-budget server (the per-request opt-out used by `eval_engine("dense")`): greedy
@@ -95,6 +96,8 @@ def main() -> int:
                 failures.append(f"[{tag}, update={update}] a request did not complete")
             if not all(o.kv.compressions > 0 and o.kv.peak_kv_tokens <= 48 + 16 for o in outs):
                 failures.append(f"[{tag}, update={update}] cache not bounded by budget + buffer")
+            if any(o.evictions is None or o.evictions.shape != (1, 1, 48) for o in outs):
+                failures.append(f"[{tag}, update={update}] a compressed sample came without its eviction record")
             print(f"[{tag}] update={update} savings:", [round(o.kv.savings, 3) for o in outs])
             if dense_view is not None:
                 if any(a.response_ids != b.response_ids or a.logprobs != b.logprobs for a, b in zip(dense, dense_view)):

@@ -58,12 +58,12 @@ class EvictionRecord:
                 raise ValueError("eviction record keeps a position its row did not hold (outside [0, start) "
                                  "or evicted before)")
             bits.append(torch.zeros_like(held, dtype=torch.bool).scatter_(-1, slot, True).flatten())
-        return cls(starts=starts, keep_bits=_pack(torch.cat(bits)), shape=tuple(kept.shape[1:]))
+        return cls(starts=starts, keep_bits=pack_bits(torch.cat(bits)), shape=tuple(kept.shape[1:]))
 
     def kept_positions(self) -> Tensor:
         """[E, L', H', B] int64: the positions each compression kept."""
         n_layers, n_heads, budget = self.shape
-        bits = _unpack(self.keep_bits)
+        bits = unpack_bits(self.keep_bits)
         kept, offset = [], 0
         for e in range(self.starts.numel()):
             held = (torch.arange(int(self.starts[0])).expand(n_layers, n_heads, -1) if e == 0 else
@@ -103,13 +103,15 @@ def _held_before(starts: Tensor, kept: Tensor) -> list[Tensor]:
 _BIT = 2 ** torch.arange(8, dtype=torch.uint8)
 
 
-def _pack(bits: Tensor) -> Tensor:
+def pack_bits(bits: Tensor) -> Tensor:
+    """Flat bits packed 8 per uint8, bit j of a byte worth 2**j; zero-padded to a whole byte."""
     padded = torch.zeros((bits.numel() + 7) // 8 * 8, dtype=torch.uint8)
     padded[: bits.numel()] = bits.to(torch.uint8)
     return (padded.view(-1, 8) * _BIT).sum(dim=-1, dtype=torch.uint8)
 
 
-def _unpack(packed: Tensor) -> Tensor:
+def unpack_bits(packed: Tensor) -> Tensor:
+    """pack_bits' inverse: [8 * bytes] bool (the padding included)."""
     return ((packed[:, None] & _BIT) > 0).flatten()
 
 

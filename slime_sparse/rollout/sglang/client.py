@@ -5,25 +5,32 @@ Wire format, read from the pinned SGLang (checked by sglang_patches.contract):
   --skip-tokenizer-init answers {"output_ids": [...], "meta_info": {"finish_reason": {"type": "stop"|"length"|
   "abort", ...}, "output_token_logprobs": [[logprob, token_id, null], ...], "weight_version": ..., ...}};
 - with the budgeted cache, meta_info["sparse_kv_kept"][i] is the number of KV slots attention read to produce
-  output token i (sglang_patches.runtime.KEPT_INFO_KEY);
+  output token i (sglang_patches.runtime.KEPT_INFO_KEY), and meta_info["sparse_kv_evictions"] the request's
+  compressions (sglang_patches.evictions), decoded into the sample's EvictionRecord;
 - control endpoints answer JSON ({"success": ..., "message": ...} for weight updates), except /flush_cache, which
   answers plain text with 200, or 400 while requests are still queued or running.
 HTTP goes through the standard library only, so this runs (and is tested) anywhere.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import time
 import urllib.error
 import urllib.request
 from typing import Any
 
+from sglang_patches.evictions import EVICTIONS_INFO_KEY, NotRecordable, decode_evictions
 from sglang_patches.settings import DENSE_REQUEST_PARAM
+from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput, KVStats
 
 KEPT_KEY = "sparse_kv_kept"  # = sglang_patches.runtime.KEPT_INFO_KEY
 FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat uint8 buffer per broadcast bucket
+
+logger = logging.getLogger(__name__)
 
 
 class SGLangHTTPError(RuntimeError):
@@ -204,11 +211,40 @@ def parse_generate_response(
             f"meta_info has no {KEPT_KEY!r}: the server does not run the sglang_patches plugin "
             "(install slime_sparse on the server node and check its log for 'slime_sparse budgeted KV cache')"
         )
+    kv = kv_stats_from_kept(len(prompt_ids), kept, len(output_ids))
+    evictions = evictions_from_meta(meta, len(prompt_ids) + len(output_ids))
+    if evictions is not None:  # exact, where the cache sizes miss a cut that ends at the same size
+        kv = dataclasses.replace(kv, compressions=int(evictions.starts.numel()))
     return GenerationOutput(
         prompt_ids=list(prompt_ids),
         response_ids=output_ids,
         logprobs=[float(entry[0]) for entry in logprob_entries],
         finish_reason=finish,
-        kv=kv_stats_from_kept(len(prompt_ids), kept, len(output_ids)),
+        kv=kv,
         weight_version=weight_version,
+        evictions=evictions,
     )
+
+
+def evictions_from_meta(meta: dict, length: int) -> EvictionRecord | None:
+    """The sample's eviction record from meta_info (None: it never compressed, or it cannot have one).
+
+    A request retracted after a compression has no record (a warning names it): a shadow loss then refuses the
+    sample (pipeline.prepare_rollout: compressions without a record), a sparse_rl run does not need it. Entries
+    the plugin cannot have sent are an error naming the request.
+    """
+    entries = meta.get(EVICTIONS_INFO_KEY)
+    if not entries:
+        return None
+    rid = meta.get("id")
+    try:
+        record = decode_evictions(entries)
+    except NotRecordable as exc:
+        logger.warning("request %s: no eviction record: %s", rid, exc)
+        return None
+    except ValueError as exc:
+        raise SGLangHTTPError(f"request {rid}: meta_info[{EVICTIONS_INFO_KEY!r}]: {exc}") from exc
+    if record is not None and int(record.starts[-1]) >= length:  # the last compression precedes a decode step
+        raise SGLangHTTPError(f"request {rid}: a compression after {int(record.starts[-1])} tokens of a {length}-token "
+                              "sequence")
+    return record

@@ -1,0 +1,83 @@
+"""A request's eviction events on the wire: what the plugin appends to Req.customized_info, and their decoding into
+the slime_sparse.kv.record.EvictionRecord the learner's shadow forward reads (the embedded engine's record).
+
+SGLang streams customized_info[key] by output token (each chunk sends entries [sent tokens, output length)), so the
+list is indexed by output token: entry i belongs to the decode step that produced output token i. It is
+- [start, held, bits] for a compression right before that step: start = tokens processed before it (the row's
+  logical length), held = the row's slots it chose from, bits = base64 of one bit per held slot (kv.record's
+  packing), set for the kept ones;
+- RETRACTED where a retraction dropped a compressed cache (the request is re-prefilled densely, which no eviction
+  record can express);
+- 0 elsewhere (SGLang pads with None for chunks where a request had no entries yet: both mean "nothing").
+Each entry carries its own start, so decoding does not depend on where the padding fell.
+
+Why the bits are the record's own: compact_row keeps the row in token order, so before compression e the row holds
+exactly kv.record's H_e (what compression e-1 kept, then the tokens appended since), and the kept physical slots
+index H_e. SGLang keeps one set per request for every layer and head (granularity 'model'): a (1, 1, B) record.
+
+Size: (held / 8) * 4/3 base64 characters + the two ints per compression, plus "0, " per other output token.
+"""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from slime_sparse.kv.record import EvictionRecord, pack_bits, unpack_bits
+
+EVICTIONS_INFO_KEY = "sparse_kv_evictions"  # key in Req.customized_info -> meta_info
+RETRACTED = "retracted"
+
+
+class NotRecordable(ValueError):
+    """The request's attention is not an eviction record (a retraction re-prefilled it densely after a compression)."""
+
+
+def eviction_entry(start: int, held: int, kept: Tensor) -> list[Any]:
+    """The JSON-safe entry of one compression: `kept` = sorted slots in [0, held) of the row that stay."""
+    bits = torch.zeros(held, dtype=torch.bool)
+    bits[kept.to("cpu", torch.int64)] = True
+    return [int(start), int(held), base64.b64encode(pack_bits(bits).numpy().tobytes()).decode("ascii")]
+
+
+def append_at(history: list[Any], index: int, entry: Any) -> None:
+    """Put `entry` at output-token `index`, padding with 0; an index already taken gets the next one (never
+    overwrite: entries carry their own start, so their order is what matters)."""
+    history.extend([0] * (index - len(history)))
+    history.append(entry)
+
+
+def decode_evictions(entries: list[Any]) -> EvictionRecord | None:
+    """The EvictionRecord of one request's meta_info[EVICTIONS_INFO_KEY] (None: it never compressed).
+
+    Raises NotRecordable after a retraction of a compressed cache, ValueError for entries the plugin cannot have sent
+    (a lost compression shows up as a held count that does not match the record's own H_e).
+    """
+    events: list[tuple[int, Tensor]] = []
+    for entry in entries:
+        if entry is None or entry == 0:
+            continue
+        if entry == RETRACTED:
+            raise NotRecordable("retracted after a compression and re-prefilled densely: its attention is no eviction "
+                                "record, so --loss-type shadow/smd cannot train on it (more KV memory avoids retractions)")
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], str)):
+            raise ValueError(f"eviction entry {str(entry)[:80]!r} is not [start, held, bits]")
+        start, n_held, bits = int(entry[0]), int(entry[1]), entry[2]
+        if events:
+            prev_start, prev_kept = events[-1]
+            held = torch.cat([prev_kept, torch.arange(prev_start, max(start, prev_start))])
+        else:
+            held = torch.arange(start)
+        if held.numel() != n_held:
+            raise ValueError(f"compression {len(events)} at {start} tokens chose from {n_held} slots, the events before "
+                             f"it leave {held.numel()} (an event was lost)")
+        keep = unpack_bits(torch.frombuffer(bytearray(base64.b64decode(bits)), dtype=torch.uint8))
+        if keep.numel() != (n_held + 7) // 8 * 8 or bool(keep[n_held:].any()):
+            raise ValueError(f"compression {len(events)} at {start} tokens: {keep.numel()} bits for {n_held} slots")
+        events.append((start, held[keep[:n_held]]))
+        if events[-1][1].numel() != events[0][1].numel():
+            raise ValueError(f"compression {len(events) - 1} kept {events[-1][1].numel()} slots, the first "
+                             f"{events[0][1].numel()} (one budget per server)")
+    return EvictionRecord.from_events([(start, kept.view(1, 1, -1)) for start, kept in events])
