@@ -169,12 +169,22 @@ def _cmdline(pid: int) -> str:
         return f"{pid} (gone)"
 
 
+# Ray's per-node agents outlive a SIGKILLed driver that started the cluster by ~50-65 s on this machine: they see
+# the raylet die within 2 s, then report it to the (dead) GCS before exiting. Measured with a bare
+# `ray.init(address="local")` driver and no slime_sparse code, so theirs is Ray's own grace, not a leak of ours.
+RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+RAY_AGENT_GRACE_S = 150.0
+
+
 def wait_for_no_processes(tag: str, grace_s: float) -> list[int]:
-    deadline = time.monotonic() + grace_s
+    """Processes of the run alive after their grace: `grace_s`, Ray's agents RAY_AGENT_GRACE_S."""
+    start = time.monotonic()
     while True:
-        left = tagged_processes(tag)
-        if not left or time.monotonic() > deadline:
-            return left
+        waited, left = time.monotonic() - start, tagged_processes(tag)
+        overdue = [p for p in left
+                   if waited > (RAY_AGENT_GRACE_S if _cmdline(p).split(" ", 1)[-1].startswith(RAY_AGENTS) else grace_s)]
+        if not left or overdue:
+            return overdue
         time.sleep(0.5)
 
 
@@ -416,7 +426,7 @@ def run_chaos(args: list[str], out: Path, *, num_rollout: int, kills: int = 20, 
         attempt.leftover_processes = len(leftover)
         if leftover:
             names = [_cmdline(p) for p in leftover]
-            report.problems.append(f"attempt {n}: {len(leftover)} process(es) outlived the run by 60 s: {names}")
+            report.problems.append(f"attempt {n}: {len(leftover)} process(es) outlived the run: {names}")
             for p in leftover:
                 try:
                     os.kill(p, signal.SIGKILL)
