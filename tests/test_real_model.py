@@ -175,6 +175,26 @@ def test_compressed_logprobs_equal_masked_reference(model, long_prompts, method)
     assert drift > 0.1  # at a budget this small the sampler really differs from the dense policy
 
 
+@pytest.mark.parametrize("method, granularity", [("rkv", "head"), ("snapkv", "layer"), ("streaming", "model")])
+def test_shadow_recompute_equals_sampler_logprobs(model, long_prompts, method, granularity):
+    """#15 on the real model: the learner's one masked forward from each sample's eviction record gives the
+    sampler's own log-probs (30 layers, 3 KV heads, chunked prefill, many compressions)."""
+    kv = KVCompressConfig(method=method, budget=32, buffer=16, window=8, granularity=granularity)
+    engine = EmbeddedEngine(model, kv, max_batch_size=2)
+    params = SamplingParams(temperature=0.8, max_new_tokens=96, ignore_eos=True)
+    outs = engine.generate(long_prompts[:2], params, seed=7)
+    assert all(o.evictions is not None and o.kv.compressions >= 6 for o in outs)
+    learner = EmbeddedLearner(model, LossConfig(loss_type="shadow"), optim=OptimConfig(lr=1e-6), temperature=0.8)
+    tokens = [o.prompt_ids + o.response_ids for o in outs]
+    lens = [len(o.response_ids) for o in outs]
+    shadow = learner.compute_logprobs(tokens, lens, shadow=[o.evictions for o in outs])
+    dense = learner.compute_logprobs(tokens, lens)
+    for out, logp, full in zip(outs, shadow, dense):
+        sampler = torch.tensor(out.logprobs)
+        assert torch.allclose(logp, sampler, atol=TOL, rtol=0), float((logp - sampler).abs().max())
+        assert float((full - sampler).abs().max()) > 0.1  # the record, not the dense policy, is what matches
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Learner: dense recompute = HF; a step and a weight sync leave engine and learner identical
 # ------------------------------------------------------------------------------------------------------------
