@@ -1,7 +1,8 @@
 """Chaos: the tiny recipe (examples/tiny_cpu, its Sparse-RL variant, 8 rollouts = its first evaluation interval,
 a checkpoint after every rollout) killed with SIGKILL again and again and resumed each time; it must end
 bit-identical to an uninterrupted run, with every rollout in metrics.jsonl exactly once and no partial
-checkpoint ever loaded. The driver and its checks: tests/chaos.py. About an hour on 2 idle cores:
+checkpoint ever loaded. The driver and its checks: tests/chaos.py. 15 minutes on 2 idle cores (measured: embedded 20
+kills 297 s + reference 42 s; Ray 8 kills with 7 engine actors restarted 407 s + reference 84 s):
 
     python -m pytest -m chaos -s -p no:cacheprovider        # SLIME_SPARSE_CHAOS_DIR=runs/chaos keeps the runs
 """
