@@ -52,10 +52,13 @@ def append_at(history: list[Any], index: int, entry: Any) -> None:
 def decode_evictions(entries: list[Any]) -> EvictionRecord | None:
     """The EvictionRecord of one request's meta_info[EVICTIONS_INFO_KEY] (None: it never compressed).
 
-    Raises NotRecordable after a retraction of a compressed cache, ValueError for entries the plugin cannot have sent
-    (a lost compression shows up as a held count that does not match the record's own H_e).
+    The shipped bits are the record's own keep bits (see above), so they are concatenated, not re-derived. Raises
+    NotRecordable after a retraction of a compressed cache, ValueError for entries the plugin cannot have sent (a lost
+    compression shows up as a held count that does not match kv.record's |H_e|).
     """
-    events: list[tuple[int, Tensor]] = []
+    starts: list[int] = []
+    bits: list[Tensor] = []
+    budget = 0
     for entry in entries:
         if entry is None or entry == 0:
             continue
@@ -64,20 +67,22 @@ def decode_evictions(entries: list[Any]) -> EvictionRecord | None:
                                 "record, so --loss-type shadow/smd cannot train on it (more KV memory avoids retractions)")
         if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], str)):
             raise ValueError(f"eviction entry {str(entry)[:80]!r} is not [start, held, bits]")
-        start, n_held, bits = int(entry[0]), int(entry[1]), entry[2]
-        if events:
-            prev_start, prev_kept = events[-1]
-            held = torch.cat([prev_kept, torch.arange(prev_start, max(start, prev_start))])
-        else:
-            held = torch.arange(start)
-        if held.numel() != n_held:
-            raise ValueError(f"compression {len(events)} at {start} tokens chose from {n_held} slots, the events before "
-                             f"it leave {held.numel()} (an event was lost)")
-        keep = unpack_bits(torch.frombuffer(bytearray(base64.b64decode(bits)), dtype=torch.uint8))
+        start, n_held, packed = int(entry[0]), int(entry[1]), entry[2]
+        e = len(starts)
+        expected = start if e == 0 else budget + start - starts[-1]  # |H_e|: what e - 1 kept + the tokens since
+        if n_held != expected:
+            raise ValueError(f"compression {e} at {start} tokens chose from {n_held} slots, the events before "
+                             f"it leave {expected} (an event was lost)")
+        keep = unpack_bits(torch.frombuffer(bytearray(base64.b64decode(packed)), dtype=torch.uint8))
         if keep.numel() != (n_held + 7) // 8 * 8 or bool(keep[n_held:].any()):
-            raise ValueError(f"compression {len(events)} at {start} tokens: {keep.numel()} bits for {n_held} slots")
-        events.append((start, held[keep[:n_held]]))
-        if events[-1][1].numel() != events[0][1].numel():
-            raise ValueError(f"compression {len(events) - 1} kept {events[-1][1].numel()} slots, the first "
-                             f"{events[0][1].numel()} (one budget per server)")
-    return EvictionRecord.from_events([(start, kept.view(1, 1, -1)) for start, kept in events])
+            raise ValueError(f"compression {e} at {start} tokens: {keep.numel()} bits for {n_held} slots")
+        kept = int(keep.sum())
+        if e and kept != budget:
+            raise ValueError(f"compression {e} kept {kept} slots, the first {budget} (one budget per server)")
+        starts.append(start)
+        bits.append(keep[:n_held])
+        budget = kept
+    if not starts:
+        return None
+    return EvictionRecord(starts=torch.tensor(starts, dtype=torch.int64), keep_bits=pack_bits(torch.cat(bits)),
+                          shape=(1, 1, budget))
