@@ -1,23 +1,26 @@
-"""Building blocks of the embedded engine: step plans, the budgeted cache, grouped attention."""
+"""Building blocks of the embedded engine: prefill plans, the budgeted cache, grouped and decode attention."""
 import torch
 
-from slime_sparse.rollout.embedded.attention import grouped_attention
-from slime_sparse.rollout.embedded.cache import BudgetKVCache
-from slime_sparse.rollout.embedded.plan import build_plan, decode_plan
+from slime_sparse.rollout.embedded.attention import decode_attention, grouped_attention
+from slime_sparse.rollout.embedded.cache import BudgetKVCache, DecodeView
+from slime_sparse.rollout.embedded.plan import build_plan
 
 L, HKV, HQ, D, CAP, WIN = 2, 2, 4, 4, 10, 3
+CPU = torch.device("cpu")
 
 
-def make_cache(rows: int = 3, track_mass: bool = True) -> BudgetKVCache:
-    return BudgetKVCache(num_layers=L, num_rows=rows, num_kv_heads=HKV, num_q_heads=HQ, head_dim=D, capacity=CAP,
-                         window=WIN, record_queries=True, track_mass=track_mass, device=torch.device("cpu"),
-                         dtype=torch.float32)
+def make_cache(rows: int = 3, track_mass: bool = True, capacities=(CAP, CAP)) -> BudgetKVCache:
+    return BudgetKVCache(num_rows=rows, num_kv_heads=HKV, num_q_heads=HQ, head_dim=D, capacities=list(capacities),
+                         window=WIN, record_queries=True, track_mass=track_mass, device=CPU, dtype=torch.float32)
 
 
-def run_plan(cache: BudgetKVCache, plan, chunk_lengths, seed: int = 0):
-    """Feed random keys/values/queries for the plan's columns through every layer, as the model would."""
+def prefill(cache: BudgetKVCache, row_start: int, chunks, first_positions, seed: int = 0):
+    """Plan and run a prefill with random keys/values/queries through every layer, as the model would."""
+    rows = slice(row_start, row_start + len(chunks))
+    plan = build_plan(row_start, chunks, cache.fill_host[:, rows].tolist(), first_positions, WIN, CPU)
     g = torch.Generator().manual_seed(seed)
     n, width = plan.input_ids.shape
+    cache.begin_prefill(plan)
     ks, vs, qs = [], [], []
     for layer in range(L):
         k, v = torch.randn(n, HKV, width, D, generator=g), torch.randn(n, HKV, width, D, generator=g)
@@ -25,103 +28,122 @@ def run_plan(cache: BudgetKVCache, plan, chunk_lengths, seed: int = 0):
         cache.update(k, v, layer)
         cache.record_queries(layer, q)
         ks.append(k), vs.append(v), qs.append(q)
-    cache.commit(chunk_lengths)
-    return ks, vs, qs
+    cache.end_prefill(plan, [len(c) for c in chunks])
+    return plan, ks, vs, qs
 
 
-def test_plan_left_pads_and_masks_by_hand():
-    # row 0 holds 3 slots and appends 2 tokens at positions 7, 8; row 1 is new with a 3-token prompt
-    plan = build_plan(row_start=1, chunks=[[11, 12], [21, 22, 23]], fills=[3, 0], first_positions=[7, 0],
-                      queries_seen=[5, 0], window=2, device=torch.device("cpu"))
+def test_plan_left_pads_and_is_relative_to_each_layers_fill():
+    # row 0 holds 3 slots in layer 0 and 5 in layer 1, and appends 2 tokens at positions 7, 8; row 1 is new
+    plan = build_plan(row_start=1, chunks=[[11, 12], [21, 22, 23]], fills=[[3, 0], [5, 0]], first_positions=[7, 0],
+                      window=2, device=CPU)
     assert plan.input_ids.tolist() == [[0, 11, 12], [21, 22, 23]]
     assert plan.position_ids.tolist() == [[0, 7, 8], [0, 1, 2]]
-    assert plan.span == 5
-    limits = [[5, 4, 5], [1, 2, 3]]  # padding column sees the whole row; real token i sees fill + i + 1 slots
-    expected = torch.tensor([[[s < lim for s in range(5)] for lim in row] for row in limits])
-    assert torch.equal(plan.attn_mask[:, 0], expected)
+    assert plan.spans == (5, 7)
+    assert plan.limit.tolist() == [[2, 1, 2], [1, 2, 3]]  # padding sees the whole chunk; real token i sees i + 1
     assert plan.write_row.tolist() == [1, 1, 2, 2, 2]
-    assert plan.write_slot.tolist() == [3, 4, 0, 1, 2]
+    assert plan.write_offset.tolist() == [0, 1, 0, 1, 2]
     assert plan.write_pos.tolist() == [7, 8, 0, 1, 2]
-    # last `window` = 2 real queries per row go to ring slots (seen + i) % 2
-    assert list(zip(plan.ring_row.tolist(), plan.ring_slot.tolist())) == [(1, 1), (1, 0), (2, 1), (2, 0)]
+    # the last `window` = 2 real queries of each row, with their index relative to the queries seen before
+    assert list(zip(plan.ring_row.tolist(), plan.ring_offset.tolist())) == [(1, 0), (1, 1), (2, 1), (2, 2)]
     assert plan.query_valid.tolist() == [[0, 1, 1], [1, 1, 1]]
 
 
-def test_decode_plan_equals_the_general_plan_of_one_token_chunks():
-    tokens, fills, positions, seen = [5, 6, 7], [3, 9, 1], [10, 40, 1], [10, 40, 2]
-    fast = decode_plan(tokens, fills, positions, seen, window=4, device=torch.device("cpu"))
-    general = build_plan(0, [[t] for t in tokens], fills, positions, seen, window=4, device=torch.device("cpu"))
-    assert fast.decode and not general.decode and fast.span == general.span == 10
-    for name in ("input_ids", "position_ids", "attn_mask", "write_row", "write_slot", "write_pos", "ring_row",
-                 "ring_slot", "query_valid"):
-        assert torch.equal(getattr(fast, name), getattr(general, name)), name
-    for a, b in zip(fast.write_src + fast.ring_src, general.write_src + general.ring_src):
-        assert torch.equal(a, b)
-
-
-def test_update_writes_real_tokens_and_returns_views():
+def test_prefill_writes_real_tokens_after_each_layers_fill_and_masks_by_hand():
     cache = make_cache()
-    cache.fill[1] = 3
-    plan = build_plan(1, [[11, 12], [21, 22, 23]], [3, 0], [7, 0], [0, 0], WIN, torch.device("cpu"))
-    cache.begin(plan)
-    k = torch.randn(2, HKV, 3, D)
-    v = torch.randn(2, HKV, 3, D)
+    cache.fill[:, 1] = torch.tensor([3, 5])
+    cache.fill_host[:, 1] = [3, 5]
+    plan = build_plan(1, [[11, 12], [21, 22, 23]], cache.fill_host[:, 1:3].tolist(), [7, 0], WIN, CPU)
+    cache.begin_prefill(plan)
+    k, v = torch.randn(2, HKV, 3, D), torch.randn(2, HKV, 3, D)
     keys, values = cache.update(k, v, layer_idx=1)
-    assert keys.shape == (2, HKV, 5, D)
-    assert keys.data_ptr() == cache.key[1, 1].data_ptr()  # a view, not a copy
-    assert torch.equal(cache.key[1, 1, :, 3:5], k[0, :, 1:3])  # column 0 of row 0 is padding: not written
-    assert torch.equal(cache.value[1, 2, :, 0:3], v[1])
-    assert cache.positions[1, 1, :, 3:5].tolist() == [[7, 8]] * HKV
+    assert keys.shape == (2, HKV, 7, D)
+    assert keys.data_ptr() == cache.key[1][1].data_ptr()  # a view, not a copy
+    assert torch.equal(cache.key[1][1, :, 5:7], k[0, :, 1:3])  # column 0 of row 0 is padding: not written
+    assert torch.equal(cache.value[1][2, :, 0:3], v[1])
+    assert cache.positions[1][1, :, 5:7].tolist() == [[7, 8]] * HKV
     assert cache.key[0].abs().sum() == 0  # other layers untouched
+    # layer 1: row 0 sees its 5 old slots plus new tokens 0..i; its padding column sees 5 + 2
+    expected = [[[s < lim for s in range(7)] for lim in row] for row in ([7, 6, 7], [1, 2, 3])]
+    assert cache.attention_mask(1)[:, 0].tolist() == expected
+    cache.end_prefill(plan, [2, 3])
+    assert cache.fill.tolist() == cache.fill_host.tolist() == [[0, 5, 3], [0, 7, 3]]
 
 
-def test_compact_keeps_selected_slots_per_head_and_layer():
+def test_decode_writes_at_the_fill_and_parked_rows_write_only_their_last_slot():
+    cache = make_cache(rows=3)
+    prefill(cache, 0, [[1, 2, 3], [4, 5]], [0, 0])
+    cache.park_row(2)
+    before = [k.clone() for k in cache.key]
+    positions = torch.tensor([3, 2, 99])
+    cache.begin_decode(DecodeView(3, cache.decode_spans(3, 1), positions))
+    assert cache.decode_spans(3, 1) == (CAP, CAP)  # the parked row "holds" the whole capacity
+    assert cache.decode_spans(2, 1) == (4, 4) and cache.decode_spans(2, 8) == (8, 8)
+    k = torch.randn(3, HKV, 1, D)
+    cache.update(k, torch.randn(3, HKV, 1, D), 0)
+    assert torch.equal(cache.key[0][0, :, 3], k[0, :, 0]) and torch.equal(cache.key[0][1, :, 2], k[1, :, 0])
+    assert torch.equal(cache.key[0][2, :, CAP - 1], k[2, :, 0])  # its own last slot
+    assert torch.equal(cache.key[0][2, :, : CAP - 1], before[0][2, :, : CAP - 1])
+    assert cache.positions[0][:, 0, [3, 2, CAP - 1]].diagonal().tolist() == [3, 2, 99]
+    mask = cache.attention_mask(0)[:, 0, 0]  # the new token at slot fill sees [0, fill]
+    assert mask.sum(-1).tolist() == [4, 3, CAP]
+    cache.end_decode()
+    cache.advance_host(3)
+    assert cache.fill.tolist() == cache.fill_host.tolist() == [[4, 3, CAP]] * L
+    assert cache.seen.tolist() == cache.seen_host.tolist() == [4, 3, 1]
+
+
+def test_compact_keeps_selected_slots_per_row_head_and_layer():
     cache = make_cache()
-    plan = build_plan(0, [list(range(8))], [0], [0], [0], WIN, torch.device("cpu"))
-    cache.begin(plan)
-    ks, vs, _ = run_plan(cache, plan, [8])
-    cache.mass[:, 0, :, :8] = torch.arange(8.0)
-    kept = [torch.tensor([[0, 2, 5, 7], [1, 2, 6, 7]]), torch.tensor([[3, 4, 5, 7], [0, 1, 2, 7]])]
-    cache.compact(0, kept)
-    assert cache.fill[0] == 4
+    _, ks, vs, _ = prefill(cache, 0, [list(range(8)), list(range(10, 18))], [0, 0])
     for layer in range(L):
-        for h in range(HKV):
-            idx = kept[layer][h]
-            assert torch.equal(cache.key[layer, 0, h, :4], ks[layer][0, h, idx])
-            assert torch.equal(cache.value[layer, 0, h, :4], vs[layer][0, h, idx])
-            assert cache.positions[layer, 0, h, :4].tolist() == idx.tolist()  # logical positions follow the slots
-            assert cache.mass[layer, 0, h, :4].tolist() == idx.float().tolist()
-    assert cache.held_positions(0)[1, 0].tolist() == [3, 4, 5, 7]
+        cache.mass[layer][:2, :, :8] = torch.arange(8.0)
+    kept = [torch.tensor([[[0, 2, 5, 7], [1, 2, 6, 7]], [[0, 1, 2, 3], [4, 5, 6, 7]]]),
+            torch.tensor([[[3, 4, 5, 7], [0, 1, 2, 7]], [[1, 3, 5, 7], [0, 2, 4, 6]]])]  # [R'=2, Hkv, 4] per layer
+    cache.compact(torch.tensor([0, 1]), [0, 1], kept)
+    assert cache.fill.tolist() == cache.fill_host.tolist() == [[4, 4, 0]] * L
+    for layer in range(L):
+        for row in range(2):
+            for h in range(HKV):
+                idx = kept[layer][row, h]
+                assert torch.equal(cache.key[layer][row, h, :4], ks[layer][row, h, idx])
+                assert torch.equal(cache.value[layer][row, h, :4], vs[layer][row, h, idx])
+                assert cache.positions[layer][row, h, :4].tolist() == idx.tolist()  # positions follow the slots
+                assert cache.mass[layer][row, h, :4].tolist() == idx.float().tolist()
+    assert cache.held_positions(1)[1][0].tolist() == [1, 3, 5, 7]
 
 
 def test_window_queries_are_the_last_in_order_after_wraparound():
-    cache = make_cache(rows=1)
-    all_q = []
+    cache = make_cache(rows=2)
+    history = []
     for step, chunk in enumerate([[1, 2, 3, 4, 5], [6], [7]]):  # 7 queries through a ring of 3
-        fill, seen = cache.fill[0], cache.queries_seen[0]
-        plan = build_plan(0, [chunk], [fill], [fill], [seen], WIN, torch.device("cpu"))
-        cache.begin(plan)
-        _, _, qs = run_plan(cache, plan, [len(chunk)], seed=step)
-        all_q.append(torch.stack(qs)[:, 0])  # [L, HQ, C, D]
-    history = torch.cat(all_q, dim=2)  # [L, HQ, 7, D]
-    got = cache.window_queries(0)
+        _, _, _, qs = prefill(cache, 0, [chunk, chunk[:1]], [int(cache.fill_host[0, 0])] * 2, seed=step)
+        history.append(torch.stack(qs)[:, 0])  # [L, HQ, C, D] of row 0
+    history = torch.cat(history, dim=2)  # [L, HQ, 7, D]
     for layer in range(L):
-        assert torch.equal(got[layer], history[layer, :, -WIN:])
+        got = cache.window_queries(torch.tensor([0, 1]), layer, WIN)  # [R', HQ, m, D]
+        assert torch.equal(got[0], history[layer, :, -WIN:])
+        assert cache.window_queries(torch.tensor([1]), layer, 2).shape == (1, HQ, 2, D)
 
 
 def test_copy_row_copies_all_state():
     cache = make_cache()
-    plan = build_plan(0, [[1, 2, 3, 4], [5, 6]], [0, 0], [0, 0], [0, 0], WIN, torch.device("cpu"))
-    cache.begin(plan)
-    run_plan(cache, plan, [4, 2])
-    cache.mass[:, 1] = torch.rand(L, HKV, CAP)
-    before = {name: getattr(cache, name)[:, 1].clone() for name in ("key", "value", "positions", "mass", "queries")}
+    prefill(cache, 0, [[1, 2, 3, 4], [5, 6]], [0, 0])
+    cache.mass[0][1] = torch.rand(HKV, CAP)
+    before = {name: getattr(cache, name)[0][1].clone() for name in ("key", "value", "positions", "mass", "queries")}
     cache.copy_row(src=1, dst=0)
-    assert cache.fill[0] == 2 and cache.queries_seen[0] == 2
+    assert cache.fill[:, 0].tolist() == cache.fill_host[:, 0].tolist() == [2, 2]
+    assert int(cache.seen[0]) == int(cache.seen_host[0]) == 2
     for name in ("key", "value", "positions", "mass"):
-        assert torch.equal(getattr(cache, name)[:, 0, :, :2], before[name][:, :, :2]), name
-    assert torch.equal(cache.queries[:, 0], before["queries"])
-    assert torch.equal(cache.window_queries(0)[0], before["queries"][0][:, :2])
+        assert torch.equal(getattr(cache, name)[0][0, :, :2], before[name][:, :2]), name
+    assert torch.equal(cache.queries[0][0], before["queries"])
+
+
+def test_per_layer_capacities_are_allocated_per_layer():
+    cache = make_cache(capacities=(6, 10))
+    assert [k.shape[2] for k in cache.key] == [6, 10]
+    assert cache.kv_bytes == 2 * 3 * HKV * D * 4 * (6 + 10)
+    cache.park_row(0)
+    assert cache.fill[:, 0].tolist() == [6, 10]
 
 
 def test_grouped_attention_matches_repeat_kv_reference_and_accumulates_mass():
@@ -137,10 +159,23 @@ def test_grouped_attention_matches_repeat_kv_reference_and_accumulates_mass():
     assert torch.allclose(probs.reshape(n, HQ, width, span), ref_p, atol=1e-6)
 
     cache = make_cache(rows=2)
-    cache.fill[:] = [3, 3]
-    plan = build_plan(0, [[1, 2, 3], [4]], [3, 3], [3, 3], [3, 3], WIN, torch.device("cpu"))
-    cache.begin(plan)
-    cache.accumulate_mass(0, torch.ones(2, HKV, 2, 3, plan.span))
+    prefill(cache, 0, [[1, 2, 3], [4, 5, 6]], [0, 0])
+    plan = build_plan(0, [[1, 2, 3], [4]], cache.fill_host[:, :2].tolist(), [3, 3], WIN, CPU)
+    cache.begin_prefill(plan)
+    cache.mass[0].zero_()
+    cache.accumulate_mass(0, torch.ones(2, HKV, 2, 3, plan.spans[0]))
     # row 0: 3 real queries x 2 heads of the group; row 1: one real query (2 padding columns do not count)
-    assert cache.mass[0, 0, :, : plan.span].unique().tolist() == [6.0]
-    assert cache.mass[0, 1, :, : plan.span].unique().tolist() == [2.0]
+    assert cache.mass[0][0, :, : plan.spans[0]].unique().tolist() == [6.0]
+    assert cache.mass[0][1, :, : plan.spans[0]].unique().tolist() == [2.0]
+
+
+def test_decode_attention_equals_repeat_kv_sdpa():
+    torch.manual_seed(1)
+    n, span = 3, 7
+    q, k, v = torch.randn(n, HQ, 1, D), torch.randn(n, HKV, span, D), torch.randn(n, HKV, span, D)
+    mask = torch.arange(span)[None, :] <= torch.tensor([2, 6, 0])[:, None]
+    out = decode_attention(q, k, v, mask[:, None, None], 0.5)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask[:, None, None], scale=0.5)
+    assert out.shape == (n, 1, HQ, D)
+    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)

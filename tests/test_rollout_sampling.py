@@ -8,11 +8,17 @@ from slime_sparse.rollout.sampling import (
     SamplingParams,
     apply_top_k,
     apply_top_p,
+    counter_uniform,
+    counter_uniform_reference,
     derive_seed,
     inverse_cdf_sample,
-    sample_next,
+    sample_tokens,
     sampler_logprobs,
 )
+
+
+def keys_and_counters(keys, counters):
+    return torch.tensor(keys, dtype=torch.int64), torch.tensor(counters, dtype=torch.int64)
 
 
 def test_top_k_keeps_k_largest_and_ties():
@@ -41,8 +47,7 @@ def test_top_p_smallest_set_reaching_p():
 def test_logprob_is_tempered_and_untruncated():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     params = SamplingParams(temperature=0.7, top_k=1)  # truncation leaves only token 0
-    gen = torch.Generator().manual_seed(0)
-    tokens, logp = sample_next(logits, params, [gen])
+    tokens, logp = sample_tokens(logits, params, *keys_and_counters([3], [0]))
     assert tokens.tolist() == [0]
     expected = 2.0 / 0.7 - math.log(sum(math.exp(x / 0.7) for x in [2.0, 1.0, 0.5, -1.0]))
     assert logp.item() == pytest.approx(expected, abs=1e-6)  # not 0.0 (= log of the truncated distribution)
@@ -50,7 +55,7 @@ def test_logprob_is_tempered_and_untruncated():
 
 def test_greedy_uses_untempered_softmax():
     logits = torch.tensor([[0.1, 3.0, 1.0], [2.0, -1.0, 2.5]])
-    tokens, logp = sample_next(logits, SamplingParams(temperature=0.0), None)
+    tokens, logp = sample_tokens(logits, SamplingParams(temperature=0.0))
     assert tokens.tolist() == [1, 2]
     ref = torch.log_softmax(logits, -1)
     assert torch.allclose(logp, torch.stack([ref[0, 1], ref[1, 2]]))
@@ -58,30 +63,45 @@ def test_greedy_uses_untempered_softmax():
 
 
 def test_sampling_frequencies_follow_truncated_distribution():
-    logits = torch.tensor([[1.0, 0.0, -0.5, -3.0]])
+    logits = torch.tensor([[1.0, 0.0, -0.5, -3.0]]).expand(4000, -1)
     params = SamplingParams(temperature=1.0, top_p=0.9)
-    gen = torch.Generator().manual_seed(1)
-    counts = torch.zeros(4)
-    for _ in range(4000):
-        tok, _ = sample_next(logits, params, [gen])
-        counts[tok] += 1
-    p = torch.softmax(logits[0], -1)  # [0.61, 0.22, 0.14, 0.03]: mass before token 3 is 0.97 >= 0.9 -> dropped
-    expected = p[:3] / p[:3].sum()
-    assert counts[3] == 0
-    assert torch.allclose(counts[:3] / 4000, expected, atol=0.03)
+    # one sample's stream over 4000 tokens, and 4000 samples' first tokens: both follow the distribution
+    for keys, counters in [([derive_seed(1, 0)] * 4000, list(range(4000))), ([derive_seed(1, i) for i in range(4000)],
+                                                                              [0] * 4000)]:
+        tok, _ = sample_tokens(logits, params, *keys_and_counters(keys, counters))
+        counts = torch.bincount(tok, minlength=4).float()
+        p = torch.softmax(logits[0], -1)  # [0.61, 0.22, 0.14, 0.03]: mass before token 3 is 0.97 >= 0.9 -> dropped
+        expected = p[:3] / p[:3].sum()
+        assert counts[3] == 0
+        assert torch.allclose(counts[:3] / 4000, expected, atol=0.03)
 
 
-def test_per_row_generators_are_independent_of_batch_layout():
+def test_draws_depend_only_on_key_and_counter():
     logits = torch.randn(3, 50)
     params = SamplingParams(temperature=1.0)
-    seeds = [derive_seed(7, i) for i in range(3)]
-    batched, _ = sample_next(logits, params, [torch.Generator().manual_seed(s) for s in seeds])
-    alone = [
-        sample_next(logits[i : i + 1], params, [torch.Generator().manual_seed(seeds[i])])[0].item() for i in range(3)
-    ]
+    keys, counters = keys_and_counters([derive_seed(7, i) for i in range(3)], [0, 5, 9])
+    batched, _ = sample_tokens(logits, params, keys, counters)
+    alone = [sample_tokens(logits[i : i + 1], params, keys[i : i + 1], counters[i : i + 1])[0].item() for i in range(3)]
     assert batched.tolist() == alone
-    with pytest.raises(ValueError, match="Generator"):
-        sample_next(logits, params, None)
+    reordered, _ = sample_tokens(logits[[2, 0, 1]], params, keys[[2, 0, 1]], counters[[2, 0, 1]])
+    assert reordered.tolist() == [alone[2], alone[0], alone[1]]
+    with pytest.raises(ValueError, match="stream key"):
+        sample_tokens(logits, params)
+
+
+def test_counter_uniform_equals_its_integer_reference_and_is_uniform():
+    keys = [derive_seed(s, i) for s in range(3) for i in range(4)] + [0, 1, 2**63 - 1]
+    counters = [0, 1, 2, 3, 7, 100, 2**20, 2**40, 5, 6, 8, 9, 0, 0, 12345]
+    got = counter_uniform(*keys_and_counters(keys, counters)).tolist()
+    assert got == [counter_uniform_reference(k, c) for k, c in zip(keys, counters)]  # int64 wraps like uint64
+    u = counter_uniform(torch.full((20000,), derive_seed(0, 0)), torch.arange(20000))
+    assert u.dtype == torch.float64 and 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01 and len(set(u.tolist())) == 20000
+    # neighbouring counters and neighbouring keys are not correlated
+    v = counter_uniform(torch.full((20000,), derive_seed(0, 0)), torch.arange(1, 20001))
+    w = counter_uniform(torch.full((20000,), derive_seed(0, 1)), torch.arange(20000))
+    for other in (v, w):
+        assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.03
 
 
 def test_derive_seed_is_deterministic_and_spread():

@@ -53,8 +53,8 @@ class SamplingParams:
 def derive_seed(seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed` (splitmix64 finaliser).
 
-    Each sample owns a generator seeded this way, so its tokens depend only on (seed, index) and not on
-    the batch size or on which other prompts share its decode steps.
+    Each sample's random stream is keyed by it (`counter_uniform`), so its tokens depend only on (seed, index) and
+    not on the batch size or on which other prompts share its decode steps.
     """
     z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
@@ -112,22 +112,60 @@ def inverse_cdf_sample(probs: Tensor, uniforms: Tensor) -> Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample_next(
-    logits: Tensor, params: SamplingParams, generators: list[torch.Generator] | None
-) -> tuple[Tensor, Tensor]:
+def _lsr(z: Tensor, shift: int) -> Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it copies the sign bit)."""
+    return (z >> shift) & ((1 << (64 - shift)) - 1)
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def counter_uniform(keys: Tensor, counters: Tensor) -> Tensor:
+    """Uniforms in [0, 1) (float64, 53 random bits) that are a pure function of (key, counter), elementwise.
+
+    splitmix64's finaliser over key + (counter + 1) * golden ratio, in int64 arithmetic that wraps like uint64
+    (`counter_uniform_reference` is the same in Python integers). Keyed by the sample's stream key
+    (`derive_seed(seed, sample index)`) and the token's index in the response, a sample's draws depend on nothing
+    else: not the batch row, the batch size, the step, nor a generator's state, so the decode step that draws them
+    can be captured in a CUDA graph and compiled (the same idea as SGLang's multinomial_with_seed and vLLM's
+    counter-based Gumbel noise; one uniform per token here, for inverse-CDF sampling).
+    """
+    z = keys.to(torch.int64) + (counters.to(torch.int64) + 1) * _GOLDEN
+    z = (z ^ _lsr(z, 30)) * _MIX1
+    z = (z ^ _lsr(z, 27)) * _MIX2
+    z = z ^ _lsr(z, 31)
+    return _lsr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def counter_uniform_reference(key: int, counter: int) -> float:
+    """`counter_uniform` for one (key, counter) in plain Python integers: the oracle of its int64 arithmetic."""
+    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return (z >> 11) / float(1 << 53)
+
+
+def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = None,
+                  counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of `logits` [n, V]; return (tokens [n] long, their recorded log-probs [n] float32).
 
-    Greedy (temperature 0) needs no generators; otherwise row i draws one uniform from generators[i] (CPU
-    generators) and samples by inverse CDF: one random number per token, and a row's draw depends only on
-    its own generator, never on the other rows of the batch.
+    Greedy (temperature 0) is the argmax. Otherwise row i samples by inverse CDF from the truncated distribution
+    with the uniform `counter_uniform(keys[i], counters[i])` ([n] int64 tensors on the logits' device): one random
+    number per token, a function of the sample's key and the token's index only. Free of host synchronisation and
+    data-dependent Python, so a CUDA graph or torch.compile(fullgraph=True) can hold it.
     """
     logp = sampler_logprobs(logits, params.temperature)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
     else:
-        if generators is None or len(generators) != logits.shape[0]:
-            raise ValueError("sample_next needs one torch.Generator per row when temperature > 0")
-        uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+        if keys is None or counters is None:
+            raise ValueError("sample_tokens needs a stream key and a counter per row when temperature > 0")
         probs = torch.softmax(truncated_logits(logits, params), dim=-1)
-        tokens = inverse_cdf_sample(probs, uniforms)
+        tokens = inverse_cdf_sample(probs, counter_uniform(keys, counters))
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -2,10 +2,12 @@
 
 Qwen2/Llama attention computes post-RoPE q/k/v, calls `past_key_values.update(k, v, layer)` (our
 BudgetKVCache returns the held keys/values of the rows being run) and then calls the function registered
-under `config._attn_implementation` with the post-RoPE queries and the 4D mask we passed to the model.
-Ours adds two things to plain attention: it hands the queries to the cache (the observation window the
-compression methods score with) and, for H2O, computes the probabilities explicitly so the cache can
-accumulate each slot's attention mass. Outside an engine forward it is transformers' sdpa attention.
+under `config._attn_implementation` with the post-RoPE queries.
+Ours differs from plain attention in three ways: its mask comes from the cache (what each row holds, per layer:
+the model is handed no mask at all), it hands the queries to the cache (the observation window the compression
+methods score with) and, for H2O, it computes the probabilities explicitly so the cache can accumulate each slot's
+attention mass. Everything it does is free of host synchronisation, so a decode step through it can be captured
+in a CUDA graph. Outside an engine forward it is transformers' sdpa attention.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -41,6 +44,19 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, s
     return out.view(n, n_q_heads, width, d).transpose(1, 2).contiguous(), probs
 
 
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
+    """Attention of one new token per row, GQA without copying keys: the group's query heads ride as G query
+    positions of their KV head (all at the same position, so one mask serves them).
+
+    query [n, Hq, 1, d], key/value [n, Hkv, S, d], mask [n, 1, 1, S] bool. Returns [n, 1, Hq, d].
+    """
+    n, n_q_heads, _, d = query.shape
+    n_kv_heads = key.shape[1]
+    q = query.view(n, n_kv_heads, n_q_heads // n_kv_heads, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(n, 1, n_q_heads, d)
+
+
 def budget_kv_attention(
     module: nn.Module,
     query: Tensor,
@@ -57,13 +73,16 @@ def budget_kv_attention(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     layer = module.layer_idx
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    mask = cache.attention_mask(layer)  # the cache knows what each row holds; the model's mask is not used
     cache.record_queries(layer, query)
     if cache.tracks_mass:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out, probs = grouped_attention(query, key, value, attention_mask, scale)
+        out, probs = grouped_attention(query, key, value, mask, scale)
         cache.accumulate_mass(layer, probs)
         return out, None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=scaling, **kwargs)
+    if query.shape[2] == 1:
+        return decode_attention(query, key, value, mask, scale), None
+    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, budget_kv_attention)

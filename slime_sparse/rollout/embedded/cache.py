@@ -1,37 +1,56 @@
 """A preallocated, budgeted KV cache that plugs into transformers models as `past_key_values`.
 
-Layout (one tensor per kind, allocated once per generate() call, never grown):
-    key, value  [L, R, Hkv, capacity, d]   post-RoPE keys and values, model dtype
-    positions   [L, R, Hkv, capacity]      logical position of the token in each slot (int32)
-    queries     [L, R, Hq, window, d]      ring buffer of the last `window` post-RoPE queries (compression on)
-    mass        [L, R, Hkv, capacity]      accumulated attention probability per slot (H2O only, float32)
-Row r holds one sequence; its first fill[r] slots are valid, in chronological order, identical in count for
-every layer and head (a compression keeps exactly `budget` slots everywhere). Slots past fill[r] hold stale
-but finite values and are masked out.
+Layout (per layer l, allocated once per generate() call, never grown; S_l = the layer's capacity):
+    key[l], value[l]  [R, Hkv, S_l, d]    post-RoPE keys and values, model dtype
+    positions[l]      [R, Hkv, S_l]       logical position of the token in each slot (int32)
+    queries[l]        [R, Hq, window, d]  ring buffer of the last `window` post-RoPE queries (compression on)
+    mass[l]           [R, Hkv, S_l]       accumulated attention probability per slot (H2O only, float32)
+    fill              [L, R] int64          valid slots of each layer and row (device; `fill_host` mirrors it)
+    seen              [R] int64             queries that went through the ring (device; `seen_host` mirrors it)
+Row r holds one sequence; in layer l its first fill[l, r] slots are valid, in chronological order, the same count
+for every head. Slots past the fill hold stale but finite values and are masked out. A decode step writes at
+min(fill, S_l - 1) and leaves fill at most S_l: a live row always has room (the engine sizes and compresses it so),
+while a row that holds no live sequence (padding of a captured batch size, a finished row not yet retired) keeps
+overwriting its own last slot, so a fixed-shape step never writes out of bounds and never touches a live row.
 
-The model calls `update(k, v, layer_idx)` with the post-RoPE keys of the new tokens; we write them where
-the current `StepPlan` says and return views over the rows' first `span` slots. The attention function in
-`attention.py` then records queries and (for H2O) attention mass here.
+The host never reads `fill` or `seen` back: every change to them is one the scheduler decides (a step, an
+admission, a compression), so it applies the same change to its numpy mirrors and plans with those.
+
+The model calls `update(k, v, layer_idx)` with the post-RoPE keys of the new tokens; we write them where the
+current step says (`PrefillPlan` or `DecodeView`) and return views over the rows' first `span` slots. The
+attention function in `attention.py` reads its mask from here (`attention_mask`) and records queries and (for
+H2O) attention mass here.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
 
-from .plan import StepPlan
+from .plan import PrefillPlan
+
+
+@dataclass(frozen=True)
+class DecodeView:
+    """What a decode step runs over: rows [0, n), each with one new token, attention over slots [0, spans[l])."""
+
+    n: int
+    spans: tuple[int, ...]  # per layer
+    positions: Tensor  # [n] logical position of each row's new token (a view of the engine's decode state)
 
 
 class BudgetKVCache(Cache):
     def __init__(
         self,
         *,
-        num_layers: int,
         num_rows: int,
         num_kv_heads: int,
         num_q_heads: int,
         head_dim: int,
-        capacity: int,
+        capacities: list[int],
         window: int,
         record_queries: bool,
         track_mass: bool,
@@ -39,48 +58,85 @@ class BudgetKVCache(Cache):
         dtype: torch.dtype,
     ) -> None:
         super().__init__(layers=[])  # we keep our own tensors; transformers' per-layer objects are unused
-        shape = (num_layers, num_rows, num_kv_heads, capacity, head_dim)
-        self.key = torch.zeros(shape, device=device, dtype=dtype)
-        self.value = torch.zeros(shape, device=device, dtype=dtype)
-        self.positions = torch.zeros(shape[:-1], device=device, dtype=torch.int32)
-        self.queries = (
-            torch.zeros((num_layers, num_rows, num_q_heads, window, head_dim), device=device, dtype=dtype)
-            if record_queries
-            else None
-        )
-        self.mass = torch.zeros(shape[:-1], device=device, dtype=torch.float32) if track_mass else None
-        self.capacity = capacity
+        self.num_layers = len(capacities)
+        self.capacities = list(capacities)
         self.window = window
-        self.num_layers = num_layers
-        self.fill = [0] * num_rows  # valid slots per row (host side: the scheduler plans with it)
-        self.queries_seen = [0] * num_rows  # tokens whose queries went through the ring, per row
-        self.plan: StepPlan | None = None
+        self.device = device
 
-    # ---- transformers Cache interface (only what Qwen2/Llama use when positions and a 4D mask are given) ----
-    def update(
-        self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs
-    ) -> tuple[Tensor, Tensor]:
+        def per_layer(shape, dtype_) -> list[Tensor]:
+            return [torch.zeros((num_rows, *shape(cap)), device=device, dtype=dtype_) for cap in capacities]
+
+        self.key = per_layer(lambda cap: (num_kv_heads, cap, head_dim), dtype)
+        self.value = per_layer(lambda cap: (num_kv_heads, cap, head_dim), dtype)
+        self.positions = per_layer(lambda cap: (num_kv_heads, cap), torch.int32)
+        self.queries = per_layer(lambda cap: (num_q_heads, window, head_dim), dtype) if record_queries else None
+        self.mass = per_layer(lambda cap: (num_kv_heads, cap), torch.float32) if track_mass else None
+        self.fill = torch.zeros(self.num_layers, num_rows, dtype=torch.int64, device=device)
+        self.seen = torch.zeros(num_rows, dtype=torch.int64, device=device)
+        self.fill_host = np.zeros((self.num_layers, num_rows), dtype=np.int64)
+        self.seen_host = np.zeros(num_rows, dtype=np.int64)
+        self._caps = torch.tensor(capacities, dtype=torch.int64, device=device)[:, None]  # [L, 1]
+        self._caps_host = np.array(capacities, dtype=np.int64)[:, None]
+        self._arange = torch.arange(num_rows, device=device)
+        self._slots = torch.arange(max(capacities), device=device)
+        self.step: PrefillPlan | DecodeView | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.fill.shape[1]
+
+    # ---- transformers Cache interface (only what Qwen2/Llama use when positions and masks are ours) ----
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Write the new tokens' keys/values, return [n, Hkv, span, d] views of the rows being run."""
-        p = self._current_plan()
-        rows, slots = p.write_row, p.write_slot
+        step = self._current()
+        key, value = self.key[layer_idx], self.value[layer_idx]
+        if isinstance(step, DecodeView):
+            rows = self._arange[: step.n]
+            slots = self.fill[layer_idx, : step.n].clamp(max=self.capacities[layer_idx] - 1)
+            new_k, new_v, pos = key_states[:, :, 0], value_states[:, :, 0], step.positions
+            first = 0
+        else:
+            rows, slots = step.write_row, self.fill[layer_idx, step.write_row] + step.write_offset
+            src_b, src_c = step.write_src
+            new_k, new_v, pos = key_states[src_b, :, src_c], value_states[src_b, :, src_c], step.write_pos
+            first = step.row_start
         # Advanced indices on dims 0 and 2 around a slice: both sides are [T, Hkv, d].
-        self.key[layer_idx][rows, :, slots] = _real_tokens(key_states, p)
-        self.value[layer_idx][rows, :, slots] = _real_tokens(value_states, p)
-        n = key_states.shape[0]
-        rs = slice(p.row_start, p.row_start + n)
-        return self.key[layer_idx, rs, :, : p.span], self.value[layer_idx, rs, :, : p.span]
+        key[rows, :, slots] = new_k
+        value[rows, :, slots] = new_v
+        self.positions[layer_idx][rows, :, slots] = pos.to(torch.int32)[:, None]
+        if self.mass is not None:
+            self.mass[layer_idx][rows, :, slots] = 0.0  # a new slot starts with no attention mass
+        span = step.spans[layer_idx]
+        return key[first : first + step.n, :, :span], value[first : first + step.n, :, :span]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(self.fill, default=0)
+        return int(self.fill_host[layer_idx].max(initial=0))
 
     # ---- hooks for the attention function ----
+    def attention_mask(self, layer_idx: int) -> Tensor:
+        """[n, 1, C, span] bool: which slots each query of the current step may read (C = 1 when decoding)."""
+        step = self._current()
+        slots = self._slots[: step.spans[layer_idx]]
+        if isinstance(step, DecodeView):
+            # the new token sits at slot fill: it sees [0, fill]; a row without a sequence sees finite stale slots
+            return (slots <= self.fill[layer_idx, : step.n, None])[:, None, None]
+        fill = self.fill[layer_idx, step.row_start : step.row_start + step.n]
+        # Real token i of a chunk sees the fill old slots plus new tokens 0..i (causal). Padding columns see the
+        # whole row, so that no softmax row is empty (an all-masked row gives NaN, and NaN * 0 leaks later).
+        return (slots[None, None, :] < (fill[:, None] + step.limit)[:, :, None])[:, None]
+
     def record_queries(self, layer_idx: int, query: Tensor) -> None:
         """Keep the post-RoPE queries of each row's newest `window` tokens (query: [n, Hq, C, d])."""
         if self.queries is None:
             return
-        p = self._current_plan()
-        queries = query[:, :, 0] if p.decode else query[p.ring_src[0], :, p.ring_src[1]]
-        self.queries[layer_idx][p.ring_row, :, p.ring_slot] = queries
+        step = self._current()
+        ring = self.queries[layer_idx]
+        if isinstance(step, DecodeView):
+            rows = self._arange[: step.n]
+            ring[rows, :, self.seen[: step.n] % self.window] = query[:, :, 0]
+            return
+        slots = (self.seen[step.ring_row] + step.ring_offset) % self.window
+        ring[step.ring_row, :, slots] = query[step.ring_src[0], :, step.ring_src[1]]
 
     @property
     def tracks_mass(self) -> bool:
@@ -89,97 +145,121 @@ class BudgetKVCache(Cache):
     def accumulate_mass(self, layer_idx: int, probs: Tensor) -> None:
         """Add attention probabilities [n, Hkv, group, C, S] of real queries to each slot's mass (H2O).
 
-        Summed over the group's query heads and the chunk's real queries, as H2O accumulates over all
-        queries that attended to a key.
+        Summed over the group's query heads and the chunk's real queries, as H2O accumulates over all queries
+        that attended to a key.
         """
-        p = self._current_plan()
-        weighted = probs * p.query_valid[:, None, None, :, None]
-        n = probs.shape[0]
-        self.mass[layer_idx, p.row_start : p.row_start + n, :, : p.span] += weighted.sum(dim=(2, 3))
+        step = self._current()
+        if isinstance(step, DecodeView):
+            self.mass[layer_idx][: step.n, :, : probs.shape[-1]] += probs.sum(dim=(2, 3))
+            return
+        weighted = probs * step.query_valid[:, None, None, :, None]
+        self.mass[layer_idx][step.row_start : step.row_start + step.n, :, : probs.shape[-1]] += weighted.sum(dim=(2, 3))
 
-    # ---- used by the scheduler ----
-    def begin(self, plan: StepPlan) -> None:
-        """Start a forward: what is the same in every layer (positions, fresh mass) is written here, once."""
-        self.plan = plan
-        self.positions[:, plan.write_row, :, plan.write_slot] = plan.write_pos[:, None, None]
-        if self.mass is not None:
-            self.mass[:, plan.write_row, :, plan.write_slot] = 0.0  # a new slot starts with no attention mass
+    # ---- steps ----
+    def begin_prefill(self, plan: PrefillPlan) -> None:
+        self.step = plan
 
-    def commit(self, chunk_lengths: list[int]) -> None:
-        """After the forward of the current plan: the rows now hold their new tokens."""
-        p = self._current_plan()
-        for b, c in enumerate(chunk_lengths):
-            self.fill[p.row_start + b] += c
-            self.queries_seen[p.row_start + b] += c
-        self.plan = None
+    def end_prefill(self, plan: PrefillPlan, chunk_lengths: list[int]) -> None:
+        """After the forward of `plan`: its rows now hold their new tokens."""
+        rows = slice(plan.row_start, plan.row_start + plan.n)
+        lengths = torch.tensor(chunk_lengths, dtype=torch.int64)
+        self.fill[:, rows] += lengths.to(self.device, non_blocking=True)
+        self.seen[rows] += lengths.to(self.device, non_blocking=True)
+        self.fill_host[:, rows] += lengths.numpy()
+        self.seen_host[rows] += lengths.numpy()
+        self.step = None
 
+    def begin_decode(self, view: DecodeView) -> None:
+        self.step = view
+
+    def end_decode(self) -> None:
+        """After a decode step: every row of the step advanced by one slot (a full row stays full)."""
+        n = self._current().n
+        self.fill[:, :n] = torch.minimum(self.fill[:, :n] + 1, self._caps)
+        self.seen[:n] += 1
+        self.step = None
+
+    def advance_host(self, n: int) -> None:
+        """The host side of `end_decode`, for rows [0, n)."""
+        np.minimum(self.fill_host[:, :n] + 1, self._caps_host, out=self.fill_host[:, :n])
+        self.seen_host[:n] += 1
+
+    def decode_spans(self, n: int, granularity: int) -> tuple[int, ...]:
+        """Per layer, how many slots a decode step over rows [0, n) must read: the largest fill + 1 (the new token),
+        rounded up to `granularity` (fewer distinct shapes for captured graphs), at most the layer's slots."""
+        need = self.fill_host[:, :n].max(axis=1) + 1
+        spans = -(-need // granularity) * granularity
+        return tuple(int(min(s, cap)) for s, cap in zip(spans, self.capacities))
+
+    # ---- rows ----
     def reset_row(self, row: int) -> None:
-        self.fill[row] = 0
-        self.queries_seen[row] = 0
+        self.fill[:, row] = 0
+        self.seen[row] = 0
+        self.fill_host[:, row] = 0
+        self.seen_host[row] = 0
+
+    def park_row(self, row: int) -> None:
+        """A row that holds no sequence: full, so that it only ever overwrites its own last slot."""
+        self.fill[:, row] = self._caps[:, 0]
+        self.fill_host[:, row] = self._caps_host[:, 0]
 
     def copy_row(self, src: int, dst: int) -> None:
-        """Copy row src into row dst: a prefill shared by the samples of one prompt, or the last running row moved
-        into a finished one's place (running sequences stay in contiguous rows)."""
-        n = self.fill[src]
-        for t in (self.key, self.value, self.positions, self.mass):
-            if t is not None:
-                t[:, dst, :, :n] = t[:, src, :, :n]
-        if self.queries is not None:
-            self.queries[:, dst] = self.queries[:, src]
-        self.fill[dst], self.queries_seen[dst] = n, self.queries_seen[src]
+        """Copy row src into row dst: a prefill shared by the samples of one prompt, or a running row moved into a
+        finished one's place (running sequences stay in rows [0, n))."""
+        for layer in range(self.num_layers):
+            n = int(self.fill_host[layer, src])
+            for t in (self.key, self.value, self.positions, self.mass):
+                if t is not None:
+                    t[layer][dst, :, :n] = t[layer][src, :, :n]
+            if self.queries is not None:
+                self.queries[layer][dst] = self.queries[layer][src]
+        self.fill[:, dst] = self.fill[:, src]
+        self.seen[dst] = self.seen[src]
+        self.fill_host[:, dst] = self.fill_host[:, src]
+        self.seen_host[dst] = self.seen_host[src]
 
-    def layer_keys(self, row: int) -> list[Tensor]:
-        return [self.key[layer, row, :, : self.fill[row]] for layer in range(self.num_layers)]
+    # ---- compression ----
+    def layer_keys(self, rows: Tensor, layer: int, n: int) -> Tensor:
+        """[R', Hkv, n, d]: the first n slots of `rows` in `layer`."""
+        return self.key[layer][rows, :, :n]
 
-    def layer_values(self, row: int) -> list[Tensor]:
-        return [self.value[layer, row, :, : self.fill[row]] for layer in range(self.num_layers)]
+    def layer_mass(self, rows: Tensor, layer: int, n: int) -> Tensor | None:
+        return None if self.mass is None else self.mass[layer][rows, :, :n]
 
-    def layer_mass(self, row: int) -> list[Tensor] | None:
-        if self.mass is None:
-            return None
-        return [self.mass[layer, row, :, : self.fill[row]] for layer in range(self.num_layers)]
-
-    def window_queries(self, row: int) -> list[Tensor]:
-        """Per layer, [Hq, m, d]: the row's last m = min(window, seen) queries, oldest first."""
+    def window_queries(self, rows: Tensor, layer: int, m: int) -> Tensor:
+        """[R', Hq, m, d]: each row's last m queries, oldest first (every row must have seen at least m)."""
         if self.queries is None:
             raise RuntimeError("this cache does not record queries (compression is off)")
-        seen = self.queries_seen[row]
-        m = min(self.window, seen)
-        ring = torch.tensor([(seen - m + i) % self.window for i in range(m)], device=self.key.device)
-        return [self.queries[layer, row][:, ring] for layer in range(self.num_layers)]
+        order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [R', m]
+        ring = self.queries[layer][rows]  # [R', Hq, window, d]
+        return ring.gather(2, order[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[-1]))
 
-    def compact(self, row: int, kept: list[Tensor]) -> None:
-        """Keep slots kept[layer][h] (sorted, the same count for every head/layer) at the front of the row."""
-        idx = torch.stack(kept).to(self.key.device)  # [L, Hkv, B]
-        budget = idx.shape[-1]
-        d = self.key.shape[-1]
-        gather_kv = idx[..., None].expand(*idx.shape, d)
-        # gather() materialises the kept slots first, so overwriting the front of the row is safe.
-        self.key[:, row, :, :budget] = self.key[:, row].gather(2, gather_kv)
-        self.value[:, row, :, :budget] = self.value[:, row].gather(2, gather_kv)
-        self.positions[:, row, :, :budget] = self.positions[:, row].gather(2, idx)
-        if self.mass is not None:
-            self.mass[:, row, :, :budget] = self.mass[:, row].gather(2, idx)
-        self.fill[row] = budget
+    def compact(self, rows: Tensor, rows_host: list[int], kept: list[Tensor]) -> None:
+        """Keep slots kept[layer] ([R', Hkv, B_l], sorted) of `rows` (a device tensor; the same rows as `rows_host`)
+        at the front of each row, in every layer."""
+        for layer, idx in enumerate(kept):
+            budget = idx.shape[-1]
+            gather_kv = idx[..., None].expand(*idx.shape, self.key[layer].shape[-1])
+            # gather() materialises the kept slots first, so overwriting the front of the row is safe
+            self.key[layer][rows, :, :budget] = self.key[layer][rows].gather(2, gather_kv)
+            self.value[layer][rows, :, :budget] = self.value[layer][rows].gather(2, gather_kv)
+            self.positions[layer][rows, :, :budget] = self.positions[layer][rows].gather(2, idx)
+            if self.mass is not None:
+                self.mass[layer][rows, :, :budget] = self.mass[layer][rows].gather(2, idx)
+            self.fill[layer, rows] = budget
+            self.fill_host[layer, rows_host] = budget
 
-    def held_positions(self, row: int) -> Tensor:
-        """[L, Hkv, fill] logical positions the row holds now (a CPU copy, never a view of the cache)."""
-        return self.positions[:, row, :, : self.fill[row]].to("cpu", copy=True)
+    def held_positions(self, row: int) -> list[Tensor]:
+        """Per layer, [Hkv, fill] logical positions the row holds now (device tensors, copies)."""
+        return [self.positions[layer][row, :, : int(self.fill_host[layer, row])].clone()
+                for layer in range(self.num_layers)]
 
     @property
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values (the KV cache proper)."""
-        return self.key.numel() * self.key.element_size() * 2
+        return sum(k.numel() * k.element_size() * 2 for k in self.key)
 
-    def _current_plan(self) -> StepPlan:
-        if self.plan is None:
-            raise RuntimeError("BudgetKVCache used outside a planned forward (call begin(plan) first)")
-        return self.plan
-
-
-def _real_tokens(states: Tensor, plan: StepPlan) -> Tensor:
-    """[T, H, d]: the new tokens of [n, H, C, d] that are real (all of them, as a view, when decoding)."""
-    if plan.decode:
-        return states[:, :, 0]
-    src_b, src_c = plan.write_src
-    return states[src_b, :, src_c]
+    def _current(self) -> PrefillPlan | DecodeView:
+        if self.step is None:
+            raise RuntimeError("BudgetKVCache used outside a planned forward (begin_prefill / begin_decode first)")
+        return self.step

@@ -15,27 +15,31 @@ budget above the longest possible sequence): the cache holds the whole sequence,
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, compress_indices, row_capacity, should_compress
 from slime_sparse.rollout.base import KVView, WeightSource
-from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_next
+from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_tokens
 from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.faults import fault_point
 
 from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
-from .plan import StepPlan, build_plan, decode_plan
+from .plan import build_plan
 from .sequence import KVTraceRecord, Sequence
+from .step import NO_MASK, STEP_MODES, DecodeState, DecodeStep, bucket_for, decode_buckets
 
 LONG_PROMPT_POLICIES = ("error", "skip")
+# Decode steps under a CUDA graph or torch.compile read each layer's slots in multiples of this (the largest fill
+# rounded up): a dense cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
+SPAN_GRANULARITY = 256
 
 
 @dataclass
@@ -59,7 +63,15 @@ class EmbeddedEngine:
     max_prompt_len: prompts longer than this are rejected / skipped (None: only the model context bounds them).
     on_long_prompt: "error" raises ValueError, "skip" returns finish_reason "skipped" with no tokens and
       counts them in `num_skipped_prompts`.
-    kv_trace: optional callback receiving a KVTraceRecord per sequence per forward (tests, debugging).
+    kv_trace: optional callback receiving a KVTraceRecord per sequence per forward (tests, debugging; it makes
+      decoding step by step and eager).
+    step_mode: how decode steps run: "cuda_graph" (one CUDA graph per padded batch size and span, captured on first
+      use; the default on CUDA), "compile" (torch.compile(fullgraph=True)) or "eager" (the default on CPU, where
+      compiling does not pay: benchmarks/README.md). Every mode computes the same step.
+    readback_interval: decode steps between two reads of the sampled tokens. Each read is a copy that does not
+      wait: the host learns a sequence ended up to two windows late, and its row computes throwaway tokens until
+      then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
+      ever runs past its end).
     """
 
     def __init__(
@@ -73,6 +85,8 @@ class EmbeddedEngine:
         max_prompt_len: int | None = None,
         on_long_prompt: str = "error",
         kv_trace: Callable[[KVTraceRecord], None] | None = None,
+        step_mode: str | None = None,
+        readback_interval: int | None = None,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
         self.kv.validate()
@@ -83,6 +97,16 @@ class EmbeddedEngine:
         if on_long_prompt not in LONG_PROMPT_POLICIES:
             raise ValueError(f"on_long_prompt={on_long_prompt!r} is invalid: choose one of {LONG_PROMPT_POLICIES}")
         self.device = torch.device(device)
+        step_mode = step_mode or ("cuda_graph" if self.device.type == "cuda" else "eager")
+        if step_mode not in STEP_MODES or (step_mode == "cuda_graph" and self.device.type != "cuda"):
+            raise ValueError(f"step_mode={step_mode!r} is invalid on {self.device.type}: choose one of {STEP_MODES} "
+                             "(cuda_graph needs a CUDA device; --rollout-disable-cuda-graph runs eagerly)")
+        if readback_interval is None:
+            readback_interval = 8 if self.device.type == "cuda" else 1
+        if readback_interval < 1:
+            raise ValueError(f"readback_interval={readback_interval} must be >= 1")
+        self.step_mode = step_mode
+        self.readback_interval = readback_interval
         self.model = _load_model(model_or_path, self.device, dtype)
         _check_model(self.model)
         self.max_batch_size = max_batch_size
@@ -154,7 +178,7 @@ class EmbeddedEngine:
         kv: KVCompressConfig | None = None,
     ) -> list[GenerationOutput]:
         """`index_offset`: where these prompts sit in a larger call split across engines, so that sample
-        i always draws from the generator of (seed, index_offset + i) whichever engine runs it.
+        i always draws from the random stream of (seed, index_offset + i) whichever engine runs it.
         `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`)."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
@@ -162,20 +186,11 @@ class EmbeddedEngine:
         if accepted:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
-            sequences = [
-                Sequence(index=i, prompt=[int(t) for t in prompts[i]],
-                         generator=None if params.greedy else self._generator(seed, index_offset + i))
-                for i in accepted
-            ]
+            sequences = [Sequence(index=i, prompt=[int(t) for t in prompts[i]], key=derive_seed(seed, index_offset + i))
+                         for i in accepted]
             with torch.inference_mode(), budget_attention_installed(self.model):
                 _Run(self, sequences, params, self.kv if kv is None else kv).run(outputs)
         return outputs  # type: ignore[return-value]
-
-    @staticmethod
-    def _generator(seed: int, index: int) -> torch.Generator:
-        # A CPU generator on every device: sampling draws one uniform per token (see sample_next), so the
-        # stream is the same on CPU and GPU and costs one small host-to-device copy per step.
-        return torch.Generator().manual_seed(derive_seed(seed, index))
 
     def _check_prompts(self, prompts: list[list[int]], outputs: list[GenerationOutput | None]) -> list[int]:
         """Indices of the prompts to generate for; skipped ones get their output here."""
@@ -216,34 +231,57 @@ class _Run:
         self.model = engine.model
         self.kv = kv
         self.params = params
+        self.device = engine.device
         self.waiting = deque(sequences)
         self.running: list[Sequence] = []  # running[r] lives in cache row r
         self.stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else _eos_ids(self.model))
         self.context = self.model.config.max_position_embeddings
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, self.context)
+        n_layers = self.model.config.num_hidden_layers
+        self.budgets = [kv.budget] * n_layers
         self.capacity = row_capacity(self.kv, longest)
-        self.cache = self._allocate(min(engine.max_batch_size, len(sequences)))
+        rows = min(engine.max_batch_size, len(sequences))
+        self.cache = self._allocate(rows, [self.capacity] * n_layers)
         self.stats = engine.last_stats = GenerateStats(kv_cache_bytes=self.cache.kv_bytes)
+        # Tracing reads the cache after every forward, so it decodes step by step.
+        tracing = engine.kv_trace is not None
+        self.readback = 1 if tracing else engine.readback_interval
+        mode = "eager" if tracing else engine.step_mode
+        self.buckets = decode_buckets(mode, rows)
+        self.span_granularity = SPAN_GRANULARITY if mode != "eager" else 1
+        self.state = DecodeState.allocate(rows, self.readback, self.device)
+        self.step = DecodeStep(self.model, self.cache, self.state, params, self._logits, mode)
+        # host mirrors of the rows (never read back from the device): response tokens sampled so far, how many
+        # the row may sample, and the cache fill each sampled token's logits came from
+        self.issued = np.zeros(rows, dtype=np.int64)
+        self.limit = np.zeros(rows, dtype=np.int64)
+        self.kept_log = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
+        self.pending: deque[_Readback] = deque()
 
-    def _allocate(self, rows: int) -> BudgetKVCache:
+    def _allocate(self, rows: int, capacities: list[int]) -> BudgetKVCache:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return BudgetKVCache(
-            num_layers=cfg.num_hidden_layers,
             num_rows=rows,
             num_kv_heads=cfg.num_key_value_heads,
             num_q_heads=cfg.num_attention_heads,
             head_dim=head_dim,
-            capacity=self.capacity,
+            capacities=capacities,
             window=self.kv.window,
             record_queries=self.kv.enabled,
             track_mass=self.kv.traits.tracks_mass,
-            device=self.engine.device,
+            device=self.device,
             dtype=self.model.dtype,
         )
 
+    def _logits(self, hidden: Tensor) -> Tensor:
+        """Next-token logits [n, V] float32 from the final hidden states [n, hidden]."""
+        return self.model.get_output_embeddings()(hidden).float()
+
     def run(self, outputs: list[GenerationOutput | None]) -> None:
-        rows = len(self.cache.fill)
+        rows = self.cache.num_rows
+        for row in range(rows):
+            self.cache.park_row(row)
         while self.waiting or self.running:
             admitted: list[Sequence] = []
             while self.waiting and len(self.running) + len(admitted) < rows:
@@ -252,7 +290,7 @@ class _Run:
                 self._admit(admitted)
                 self._retire(outputs)
             if self.running:
-                self._decode()
+                self._decode_window()
                 self._retire(outputs)
 
     # ---- prefill ----
@@ -263,6 +301,7 @@ class _Run:
         The first sample of each prompt (its leader) is prefilled in a row of its own; the others (followers) get a
         copy of that row once the prompt is done, before any decode-time compression, so they continue from the very
         cache they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
+        Prefill runs eagerly (its shapes vary); it reads the first tokens back at once.
         """
         groups: dict[tuple[int, ...], list[Sequence]] = {}
         for seq in admitted:
@@ -273,6 +312,7 @@ class _Run:
         self.running += leaders + [f for group in groups.values() for f in group[1:]]
         for row in range(first, len(self.running)):
             self.cache.reset_row(row)
+            self.issued[row] = 0
         prefill = sum(len(s.prompt) for s in leaders)
         self.stats.prefill_tokens += prefill
         self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
@@ -280,105 +320,162 @@ class _Run:
         for leader in leaders:
             follower_rows[id(leader)] = range(row, row + len(followers[id(leader)]))
             row += len(followers[id(leader)])
+        fill = self.cache.fill_host
         while any(s.processed < len(s.prompt) for s in leaders):
             rows = range(first, first + len(leaders))
-            chunks = [s.pending(self.capacity - self.cache.fill[r]) if s.processed < len(s.prompt) else []
-                      for s, r in zip(leaders, rows)]
-            logits = self._forward(first, chunks, [s.processed for s in leaders])
+            room = [self.capacity - int(fill[:, r].max()) for r in rows]
+            chunks = [s.pending_prompt(room_r) for s, room_r in zip(leaders, room)]
+            logits = self._prefill(first, chunks, [s.processed for s in leaders])
             for b, (seq, row, chunk) in enumerate(zip(leaders, rows, chunks)):
                 if not chunk:
                     continue  # prompt already done: this row only rode along
-                self._account(seq, row, len(chunk), followers[id(seq)])
+                seq.processed += len(chunk)
+                seq.prefill_peak = max(seq.prefill_peak, int(fill[0, row]))
+                self._trace(row, [seq, *followers[id(seq)]], range(seq.processed - len(chunk), seq.processed))
                 if seq.processed < len(seq.prompt):
-                    if should_compress(self.cache.fill[row], self.kv):  # a long prompt, prefilled in chunks
+                    if should_compress(int(fill[0, row]), self.kv):  # a long prompt, prefilled in chunks
                         self._compress_rows([row], [[seq]])
                     continue
                 group = [seq] + followers[id(seq)]
                 for f in followers[id(seq)]:
-                    f.processed, f.kv, f.evictions = seq.processed, dataclasses.replace(seq.kv), list(seq.evictions)
-                self._sample(group, logits[b].expand(len(group), -1))
+                    f.processed, f.prefill_peak, f.evictions = seq.processed, seq.prefill_peak, list(seq.evictions)
+                self._sample_first(group, [row, *follower_rows[id(seq)]], logits[b])
                 live = [s for s in group if not s.finished]
-                if live and should_compress(self.cache.fill[row], self.kv, first_decode=True):
+                if live and should_compress(int(fill[0, row]), self.kv, first_decode=True):
                     self._compress_rows([row], [live])
                 for f, f_row in zip(followers[id(seq)], follower_rows[id(seq)]):
                     if not f.finished:
                         self.cache.copy_row(row, f_row)
 
-    # ---- decode ----
-    def _decode(self) -> None:
-        """One decode step: every running sequence runs its one pending token (the one sampled last)."""
-        seqs, cache = self.running, self.cache
-        n = len(seqs)
-        plan = decode_plan([s.response[-1] for s in seqs], cache.fill[:n], [s.processed for s in seqs],
-                           cache.queries_seen[:n], self.kv.window, self.engine.device)
-        logits = self._run_plan(plan, [1] * n)
-        for row, seq in enumerate(seqs):
-            self._account(seq, row, 1, ())
-        self._sample(seqs, logits)
-        due = [row for row, seq in enumerate(seqs) if not seq.finished and should_compress(cache.fill[row], self.kv)]
-        if due:
-            self._compress_rows(due, [[seqs[row]] for row in due])
-
-    # ---- shared by both ----
-    def _forward(self, row_start: int, chunks: list[list[int]], first_positions: list[int]) -> Tensor:
+    def _prefill(self, row_start: int, chunks: list[list[int]], first_positions: list[int]) -> Tensor:
         """Run each row's chunk through the model (rows [row_start, row_start + len(chunks))); next-token logits
-        of every row's last column."""
-        cache = self.cache
-        rows = range(row_start, row_start + len(chunks))
-        plan = build_plan(row_start, chunks, [cache.fill[r] for r in rows], first_positions,
-                          [cache.queries_seen[r] for r in rows], self.kv.window, self.engine.device)
-        return self._run_plan(plan, [len(c) for c in chunks])
-
-    def _run_plan(self, plan: StepPlan, chunk_lengths: list[int]) -> Tensor:
+        [n, V] of every row's last column."""
         fault_point("engine.step")  # chaos tests: a kill mid-rollout (prefill or decode)
         cache = self.cache
-        cache.begin(plan)
-        logits = self.model(
-            input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=plan.attn_mask,
-            past_key_values=cache, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache},
-        ).logits[:, -1]
-        cache.commit(chunk_lengths)
+        rows = slice(row_start, row_start + len(chunks))
+        plan = build_plan(row_start, chunks, cache.fill_host[:, rows].tolist(), first_positions, self.kv.window,
+                          self.device)
+        cache.begin_prefill(plan)
+        hidden = self.step.body(
+            input_ids=plan.input_ids, position_ids=plan.position_ids, attention_mask=NO_MASK, use_cache=True,
+            **{self.step.cache_kwarg: cache, CACHE_KWARG: cache},
+        ).last_hidden_state[:, -1]
+        cache.end_prefill(plan, [len(c) for c in chunks])
         self.stats.forwards += 1
-        return logits
+        return self._logits(hidden)
 
-    def _account(self, seq: Sequence, row: int, ran: int, followers) -> None:
-        """After `ran` tokens of `seq` went through the model in `row`: progress, KV stats, trace."""
-        seq.processed += ran
-        fill = self.cache.fill[row]
-        seq.kv.peak_kv_tokens = max(seq.kv.peak_kv_tokens, fill)
-        if self.engine.kv_trace is not None:
-            positions = list(range(seq.processed - ran, seq.processed))
-            for s in (seq, *followers):
-                self.engine.kv_trace(KVTraceRecord(s.index, positions, self.cache.held_positions(row)))
-        if seq.processed == seq.length:
-            # The logits of this token see `processed` tokens densely and `fill` through our cache.
-            seq.kv.dense_kv_tokens += seq.processed
-            seq.kv.kept_kv_tokens += fill
+    def _sample_first(self, group: list[Sequence], rows: list[int], logits: Tensor) -> None:
+        """Sample the first response token of every sequence of a prompt group from the prompt's logits [V], and
+        set up their rows for decoding."""
+        n = len(group)
+        keys = torch.tensor([s.key for s in group], dtype=torch.int64, device=self.device)
+        tokens, logprobs = sample_tokens(logits.expand(n, -1), self.params, keys, torch.zeros_like(keys))
+        kept = int(self.cache.fill_host[0, rows[0]])  # the first token's logits saw the whole prefilled prompt
+        for seq, row, token, logprob in zip(group, rows, tokens.tolist(), logprobs.tolist()):
+            self._append(seq, token, logprob)
+            self.issued[row] = 1
+            self.limit[row] = min(self.params.max_new_tokens, self.context - len(seq.prompt))
+            self.kept_log[row, 0] = kept
+            self.state.set_row(row, token, len(seq.prompt), seq.key, 1)
 
-    def _sample(self, seqs: list[Sequence], logits: Tensor) -> None:
-        generators = None if self.params.greedy else [s.generator for s in seqs]
-        tokens, logprobs = sample_next(logits, self.params, generators)
-        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
-            seq.append(token, logprob)
-            if token in self.stop_ids:
-                seq.finish_reason = "stop"
-            elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
-                seq.finish_reason = "length"
+    # ---- decode ----
+    def _decode_window(self) -> None:
+        """Up to `readback` decode steps over the running rows, then their tokens are read back (on CUDA without
+        waiting: the window before this one is processed instead, so the GPU always has the next steps queued)."""
+        n = len(self.running)
+        live = self.issued[:n] < self.limit[:n]  # rows that may still sample (as far as the host knows)
+        steps = min(self.readback, int((self.limit[:n] - self.issued[:n])[live].max(initial=0)))
+        cache = self.cache
+        for _ in range(steps):
+            fault_point("engine.step")
+            bucket = bucket_for(n, self.buckets)
+            self.step(bucket, cache.decode_spans(bucket, self.span_granularity))
+            cache.advance_host(bucket)
+            live = self.issued[:n] < self.limit[:n]
+            rows = np.flatnonzero(live)
+            self.kept_log[rows, self.issued[rows]] = cache.fill_host[0, rows]
+            self.issued[:n] += live
+            self.stats.forwards += 1
+            if self.engine.kv_trace is not None:
+                for row in rows:
+                    seq = self.running[row]
+                    self._trace(row, [seq], [len(seq.prompt) + int(self.issued[row]) - 2])
+            self._compress_due(n)
+        if steps:
+            self.pending.append(self._queue_readback(n, steps))
+        while self.pending and (len(self.pending) > 1 or steps == 0 or self.readback == 1):
+            self._process(self.pending.popleft())
+
+    def _compress_due(self, n: int) -> None:
+        """Compress every running row whose cache reached the trigger, in one batched call. Rows whose sequence the
+        host knows has ended are left alone; one that ended unseen still compresses (its record drops it)."""
+        if not self.kv.enabled:
+            return
+        fill = self.cache.fill_host[0, :n]
+        due = np.flatnonzero((fill >= self.kv.budget + self.kv.buffer) & (self.issued[:n] < self.limit[:n]))
+        if len(due):
+            self._compress_rows(due.tolist(), [[self.running[r]] for r in due])
 
     def _compress_rows(self, rows: list[int], owners: list[list[Sequence]]) -> None:
-        """Compress each of `rows` to the budget; owners[i] are the sequences that count the compression."""
+        """Compress `rows` (all holding the same number of slots in each layer) to the budget, in one batched
+        gather; owners[i] are the sequences that record the compression of rows[i]."""
         cache = self.cache
-        for row, seqs in zip(rows, owners):
-            kept = compress_indices(
-                self.kv, cache.layer_keys(row), cache.window_queries(row), values=cache.layer_values(row),
-                attn_mass=cache.layer_mass(row), budget=self.kv.budget,
-            )
-            cache.compact(row, kept)
-            held = cache.held_positions(row)  # the eviction record: what every owner's later tokens can see
+        rows_t = torch.tensor(rows, device=self.device)
+        n_layers = cache.num_layers
+        sizes = [int(cache.fill_host[layer, rows[0]]) for layer in range(n_layers)]
+        m = min(self.kv.window, int(cache.seen_host[rows].min()))
+        keys = [cache.layer_keys(rows_t, layer, sizes[layer]) for layer in range(n_layers)]
+        queries = [cache.window_queries(rows_t, layer, m) for layer in range(n_layers)]
+        mass = [cache.layer_mass(rows_t, layer, sizes[layer]) for layer in range(n_layers)]
+        kept_rows = [
+            compress_indices(self.kv, [k[i] for k in keys], [q[i] for q in queries],
+                             attn_mass=[None if x is None else x[i] for x in mass], budget=self.kv.budget)
+            for i in range(len(rows))
+        ]
+        kept = [torch.stack([per_row[layer] for per_row in kept_rows]) for layer in range(n_layers)]  # [R', Hkv, B]
+        cache.compact(rows_t, rows, kept)
+        # the eviction record: what every owner's later tokens can see (a host copy that does not wait)
+        held = _to_host(torch.stack([cache.positions[layer][rows_t, :, : kept[layer].shape[-1]]
+                                     for layer in range(n_layers)], dim=1))  # [R', L, Hkv, B]
+        for i, seqs in enumerate(owners):
+            start = len(seqs[0].prompt) + int(self.issued[rows[i]]) - 1 if self.issued[rows[i]] else seqs[0].processed
             for seq in seqs:
-                seq.evictions.append((seq.processed, held))
-                seq.kv.compressions += 1
+                seq.evictions.append((start, held[i]))
         self.stats.compressions += len(rows)
+
+    def _queue_readback(self, n: int, steps: int) -> "_Readback":
+        st = self.state
+        tokens, logprobs = _to_host(st.out_tokens[:n, :steps]), _to_host(st.out_logprobs[:n, :steps])
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        st.column.zero_()
+        return _Readback(list(self.running), tokens, logprobs, event)
+
+    def _process(self, readback: "_Readback") -> None:
+        """Hand the tokens of a readback window to their sequences, stopping each at its end."""
+        if readback.event is not None:
+            readback.event.synchronize()
+        for seq, tokens, logprobs in zip(readback.sequences, readback.tokens.tolist(), readback.logprobs.tolist()):
+            for token, logprob in zip(tokens, logprobs):
+                if seq.finished:
+                    break
+                self._append(seq, token, logprob)
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.append(token, logprob)
+        if token in self.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
+            seq.finish_reason = "length"
+
+    def _trace(self, row: int, seqs: list[Sequence], positions) -> None:
+        if self.engine.kv_trace is None:
+            return
+        held = torch.stack(self.cache.held_positions(row)).cpu()
+        for seq in seqs:
+            self.engine.kv_trace(KVTraceRecord(seq.index, list(positions), held))
 
     def _retire(self, outputs: list[GenerationOutput | None]) -> None:
         """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
@@ -386,12 +483,38 @@ class _Run:
             seq = self.running[row]
             if not seq.finished:
                 continue
-            outputs[seq.index] = seq.output(self.engine.weight_version)
+            kept = self.kept_log[row, : len(seq.response)].tolist()
+            outputs[seq.index] = seq.output(self.engine.weight_version, kept)
             last = len(self.running) - 1
             if row != last:
-                self.cache.copy_row(last, row)
+                self._move_row(last, row)
                 self.running[row] = self.running[last]
             self.running.pop()
+            self.cache.park_row(last)
+
+    def _move_row(self, src: int, dst: int) -> None:
+        self.cache.copy_row(src, dst)
+        self.state.copy_row(src, dst)
+        for host in (self.issued, self.limit, self.kept_log):
+            host[dst] = host[src]
+
+
+@dataclass
+class _Readback:
+    """A decode window's tokens on their way to the host: row r of the window belonged to sequences[r]."""
+
+    sequences: list[Sequence]
+    tokens: Tensor  # [n, steps]
+    logprobs: Tensor
+    event: "torch.cuda.Event | None"
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """A host copy of `t` that does not wait for the device (pinned memory; valid once the stream gets there)."""
+    if t.device.type != "cuda":
+        return t.clone()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t, non_blocking=True)
 
 
 def _eos_ids(model: nn.Module) -> set[int]:

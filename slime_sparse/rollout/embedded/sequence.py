@@ -1,9 +1,8 @@
-"""Per-sequence bookkeeping of the embedded engine: tokens, log-probs, progress through the model, KV stats."""
+"""Per-sequence bookkeeping of the embedded engine: tokens, log-probs, progress through the model, evictions."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 from torch import Tensor
 
 from slime_sparse.kv.record import EvictionRecord
@@ -14,13 +13,15 @@ from slime_sparse.types import GenerationOutput, KVStats
 class Sequence:
     index: int  # position of the prompt in the generate() call
     prompt: list[int]
-    generator: torch.Generator | None  # None when greedy
+    key: int  # its random stream key (derive_seed(seed, index)): token t draws counter_uniform(key, t)
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    processed: int = 0  # tokens already run through the model (their keys are, or were, in the cache)
+    processed: int = 0  # prompt tokens already run through the model (their keys are, or were, in the cache)
     finish_reason: str | None = None
-    kv: KVStats = field(default_factory=KVStats)
-    evictions: list[tuple[int, Tensor]] = field(default_factory=list)  # (processed, kept positions [L, Hkv, B])
+    prefill_peak: int = 0  # most slots its cache held while the prompt was prefilled
+    # (tokens processed before the compression, kept positions [L, Hkv, B]) in order; the decode loop learns that a
+    # sequence ended a few steps late, so compressions after its end may trail here (`output` drops them)
+    evictions: list[tuple[int, Tensor]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -30,34 +31,34 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def pending(self, room: int) -> list[int]:
-        """The next tokens to run through the model, at most `room` of them (none once finished).
-
-        While prefilling these are prompt tokens; while decoding, the one token sampled last.
-        """
-        if self.finished:
-            return []
-        # A token is sampled only once everything before it was processed, so a chunk never mixes prompt
-        # and response tokens.
-        n_prompt = len(self.prompt)
-        if self.processed < n_prompt:
-            return self.prompt[self.processed : min(n_prompt, self.processed + room)]
-        start = self.processed - n_prompt
-        return self.response[start : start + room]
+    def pending_prompt(self, room: int) -> list[int]:
+        """The next prompt tokens to prefill, at most `room` of them."""
+        return self.prompt[self.processed : min(len(self.prompt), self.processed + room)]
 
     def append(self, token: int, logprob: float) -> None:
         self.response.append(token)
         self.logprobs.append(logprob)
 
-    def output(self, weight_version: int) -> GenerationOutput:
+    def output(self, weight_version: int, kept_per_token: list[int]) -> GenerationOutput:
+        """kept_per_token[t]: slots the cache held when response token t was sampled (its logits' context)."""
+        p, n = len(self.prompt), len(self.response)
+        # a compression counts if a later token ran after it: it happened after start tokens were run, and the
+        # last token the sequence ran is its (length - 2)-th
+        events = [(start, kept) for start, kept in self.evictions if start < self.length - 1]
+        kv = KVStats(
+            dense_kv_tokens=n * p + n * (n - 1) // 2,  # token t was sampled from p + t tokens of context
+            kept_kv_tokens=int(sum(kept_per_token)),
+            peak_kv_tokens=max([self.prefill_peak, *kept_per_token]),
+            compressions=len(events),
+        )
         return GenerationOutput(
             prompt_ids=list(self.prompt),
             response_ids=list(self.response),
             logprobs=list(self.logprobs),
             finish_reason=self.finish_reason or "length",
-            kv=self.kv,
+            kv=kv,
             weight_version=weight_version,
-            evictions=EvictionRecord.from_events(self.evictions),
+            evictions=EvictionRecord.from_events(events),
         )
 
 

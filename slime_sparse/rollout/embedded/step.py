@@ -1,0 +1,131 @@
+"""The decode step: one new token for every row of a batch, at fixed shapes, with no host synchronisation.
+
+Everything a step reads or writes lives in device tensors at fixed addresses: the engine's `DecodeState` (the token
+each row runs next, its logical position, its random stream key and counter, the output columns of the current
+readback window) and the cache (`BudgetKVCache`: keys, values, fills, query ring). A step runs rows [0, n) for a
+padded row count n, reads each layer's first `spans[l]` slots, samples with the counter-based stream
+(`sampling.sample_tokens`) and advances the state in place. Nothing in it depends on a value on the device, so the
+same function runs eagerly, under torch.compile(fullgraph=True) (the proof: a graph break or a host sync would fail
+it), or as the replay of a CUDA graph captured once per (n, spans) (nano-vllm's and SGLang's decode graphs, with
+eviction kept on: compression runs between steps, outside the graph; see the engine).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
+
+from .attention import CACHE_KWARG
+from .cache import BudgetKVCache, DecodeView
+
+NO_MASK = {"full_attention": None}  # a prepared mask mapping: the model builds none (the cache supplies ours)
+STEP_MODES = ("eager", "compile", "cuda_graph")
+
+
+@dataclass
+class DecodeState:
+    """Per-row decode state, device tensors at fixed addresses (what a captured step reads and updates)."""
+
+    tokens: Tensor  # [R] long: the token each row runs next (the one sampled last)
+    positions: Tensor  # [R] long: its logical position in the sequence
+    keys: Tensor  # [R] int64: the row's random stream key (derive_seed(seed, sample index))
+    counters: Tensor  # [R] long: index in the response of the token the row samples next
+    out_tokens: Tensor  # [R, K] long: tokens sampled in the current readback window, one column per step
+    out_logprobs: Tensor  # [R, K] float32: their log-probs
+    column: Tensor  # [] long: the column of the next step
+
+    @classmethod
+    def allocate(cls, rows: int, window: int, device: torch.device) -> "DecodeState":
+        def longs(*shape: int) -> Tensor:
+            return torch.zeros(shape, dtype=torch.int64, device=device)
+
+        return cls(tokens=longs(rows), positions=longs(rows), keys=longs(rows), counters=longs(rows),
+                   out_tokens=longs(rows, window), out_logprobs=torch.zeros(rows, window, device=device),
+                   column=longs())
+
+    def set_row(self, row: int, token: int, position: int, key: int, counter: int) -> None:
+        """A newly admitted row: it runs `token` at `position` next and samples response token `counter` next."""
+        values = torch.tensor([token, position, key, counter], dtype=torch.int64)
+        for tensor, value in zip((self.tokens, self.positions, self.keys, self.counters), values.to(self.tokens.device)):
+            tensor[row] = value
+
+    def copy_row(self, src: int, dst: int) -> None:
+        for tensor in (self.tokens, self.positions, self.keys, self.counters, self.out_tokens, self.out_logprobs):
+            tensor[dst] = tensor[src]
+
+
+class DecodeStep:
+    """`step(n, spans)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph."""
+
+    def __init__(self, model: nn.Module, cache: BudgetKVCache, state: DecodeState, params: SamplingParams,
+                 logits: Callable[[Tensor], Tensor], mode: str = "eager") -> None:
+        if mode not in STEP_MODES:
+            raise ValueError(f"decode step mode {mode!r} is invalid: choose one of {STEP_MODES}")
+        self.body = model.get_decoder()
+        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
+        self.cache, self.state, self.params, self.logits = cache, state, params, logits
+        self.mode = mode
+        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=False) if mode == "compile" else None
+        self._graphs: dict[tuple[int, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self.captures = 0
+
+    def __call__(self, n: int, spans: tuple[int, ...]) -> None:
+        if self.mode == "cuda_graph":
+            self._replay(n, spans)
+        elif self._compiled is not None:
+            self._compiled(n, spans)
+        else:
+            self.run(n, spans)
+
+    def run(self, n: int, spans: tuple[int, ...]) -> None:
+        """The step itself (what compile traces and a graph captures)."""
+        st, cache = self.state, self.cache
+        cache.begin_decode(DecodeView(n, spans, st.positions[:n]))
+        hidden = self.body(
+            input_ids=st.tokens[:n, None], position_ids=st.positions[:n, None], attention_mask=NO_MASK,
+            use_cache=True, **{self.cache_kwarg: cache, CACHE_KWARG: cache},
+        ).last_hidden_state[:, -1]
+        tokens, logprobs = sample_tokens(self.logits(hidden), self.params, st.keys[:n], st.counters[:n])
+        column = st.column.view(1)
+        st.out_tokens[:n].index_copy_(1, column, tokens[:, None])
+        st.out_logprobs[:n].index_copy_(1, column, logprobs[:, None])
+        st.tokens[:n] = tokens
+        st.positions[:n] += 1
+        st.counters[:n] += 1
+        st.column += 1
+        cache.end_decode()
+
+    def _replay(self, n: int, spans: tuple[int, ...]) -> None:
+        """Replay the graph of (n, spans), capturing it first if this shape is new: the first step of a shape runs
+        eagerly (it is a real step, and the warm-up of its kernels), the capture only records."""
+        graph = self._graphs.get((n, spans))
+        if graph is not None:
+            graph.replay()
+            return
+        self.run(n, spans)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self.run(n, spans)
+        self._pool = self._pool or graph.pool()  # one memory pool for every shape: steps never overlap
+        self._graphs[(n, spans)] = graph
+        self.captures += 1
+
+
+def decode_buckets(mode: str, max_rows: int) -> list[int]:
+    """Row counts decode steps run at. Captured or compiled steps pad to few sizes, each a graph of its own: 1, 2,
+    4, 8, then every 8 (SGLang's schedule), and max_rows. Eager steps run exactly the rows they have."""
+    if mode == "eager":
+        return list(range(1, max_rows + 1))
+    sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows, 8))
+    return sizes + [max_rows]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest captured row count that holds n rows."""
+    return next(b for b in buckets if b >= n)
