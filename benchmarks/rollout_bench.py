@@ -62,15 +62,21 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                 num_attention_heads=6, num_key_value_heads=2)),
     "smollm2-135m": ("llama", dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                    num_attention_heads=9, num_key_value_heads=3, rope_theta=100000.0)),
+    # Qwen2.5-1.5B(-Instruct)'s config.json: the issue's GPU rows (#28)
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, rope_theta=1000000.0)),
 }
 # Each suite fits the time budget written next to it on an idle 2-core machine (1 thread, fp32).
 SUITES: dict[str, list[str]] = {
     "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
+    # one H100 / H200, bf16 (tools/gpu_checks.sh): the targets of #28 at batch 64, then batch 256
+    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:1024", "qwen2.5-1.5b:64:128:4096",
+            "qwen2.5-1.5b:256:128:1024"],
     "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
     "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
              "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],
 }
-SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128)}  # (budgets, buffer) of each suite
+SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128)}  # (budgets, buffer)
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per row (medians reported)")
     p.add_argument("--long-repeats", type=int, default=1, help="repetitions for rows of >= 2048 new tokens")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
+    p.add_argument("--hf-max-new", type=int, default=None,
+                   help="run HF generate() only on rows of at most this many new tokens (it is the slow baseline)")
+    p.add_argument("--step-modes", nargs="+", default=[], choices=["eager", "compile", "cuda_graph"],
+                   help="also run this checkout's engine with these decode step modes (columns after+MODE; plain "
+                        "`after` is the engine's default mode on the device)")
+    p.add_argument("--same-kv-gib", type=float, default=None,
+                   help="also print how many sequences of each row fit in this much KV memory, dense vs each "
+                        "compression, by the engine's own allocation (one slot row per sequence)")
     p.add_argument("--max-kv-gib", type=float, default=3.0, help="skip a dense engine whose KV would exceed this")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -266,10 +280,11 @@ def hf_engine(model, device: str) -> Callable[[list[list[int]], int], Result]:
     return run
 
 
-def our_engine(engine_cls, params_cls, model, kv, args, batch: int) -> Callable[[list[list[int]], int], Result]:
+def our_engine(engine_cls, params_cls, model, kv, args, batch: int, **options) -> Callable[[list[list[int]], int], Result]:
     """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping the method(s)
-    that compress (with a device sync, so the time is the compression's own on GPU too)."""
-    engine = engine_cls(model, kv, max_batch_size=batch, device=args.device)
+    that compress (with a device sync, so the time is the compression's own on GPU too). `options`: engine keyword
+    arguments (step_mode)."""
+    engine = engine_cls(model, kv, max_batch_size=batch, device=args.device, **options)
     module = sys.modules[engine_cls.__module__]
     for cls in (getattr(module, "_Run", None), engine_cls):
         for name in COMPRESS_METHODS:
@@ -321,16 +336,21 @@ def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[En
         for budget in args.budgets:
             if budget + args.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
                 kvs.append(KVCompressConfig(method=method, budget=budget, buffer=args.buffer, window=args.window))
-    out = [Engine("hf", KVCompressConfig(), hf_engine(model, args.device))] if dense_ok and not args.no_hf else []
+    run_hf = dense_ok and not args.no_hf and (args.hf_max_new is None or row.new_tokens <= args.hf_max_new)
+    out = [Engine("hf", KVCompressConfig(), hf_engine(model, args.device))] if run_hf else []
     for kv in kvs:
         if before is not None:
             from slime_sparse_before.kv import KVCompressConfig as BeforeKV
             from slime_sparse_before.rollout import SamplingParams as BeforeParams
             from slime_sparse_before.rollout.embedded import EmbeddedEngine as BeforeEngine
 
-            before_kv = BeforeKV(**{k: getattr(kv, k) for k in kv.__dataclass_fields__})
+            # the fields the older config knows (a knob added since keeps its default there)
+            before_kv = BeforeKV(**{k: getattr(kv, k) for k in BeforeKV.__dataclass_fields__ if hasattr(kv, k)})
             out.append(Engine("before", kv, our_engine(BeforeEngine, BeforeParams, model, before_kv, args, row.batch)))
         out.append(Engine("after", kv, our_engine(EmbeddedEngine, SamplingParams, model, kv, args, row.batch)))
+        for mode in args.step_modes:
+            out.append(Engine(f"after+{mode}", kv, our_engine(EmbeddedEngine, SamplingParams, model, kv, args,
+                                                              row.batch, step_mode=mode)))
     return out
 
 
@@ -389,6 +409,45 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
     return lines
 
 
+SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per sequence | sequences that fit | x dense |\n"
+                  + "|---" * 8 + "|")
+
+
+def same_kv_rows(row: RowSpec, args) -> list[str]:
+    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression: the slots an
+    engine row allocates per sequence (`kv.row_capacity`; tests/test_memory_plan.py checks the engine allocates
+    exactly that) times the bytes per slot. A compressed sequence holds budget + buffer slots whatever its length,
+    so the ratio grows with the length."""
+    from slime_sparse.kv import row_capacity
+
+    cfg = model_config(row.model, args)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * DTYPES[args.dtype].itemsize
+    longest = row.prompt_len + row.new_tokens
+    configs = [KVCompressConfig()] + [KVCompressConfig(method=m, budget=b, buffer=args.buffer, window=args.window)
+                                      for m in args.methods for b in args.budgets]
+    lines, dense_fit = [], None
+    for kv in configs:
+        slots = row_capacity(kv, longest)
+        fit = int(args.same_kv_gib * 2**30 // (slots * per_slot))
+        dense_fit = fit if dense_fit is None else dense_fit
+        name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
+        lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | {slots} | "
+                     f"{fit} | {fit / max(dense_fit, 1):.2f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def model_config(name: str, args):
+    """The HF config of a preset or of a --model directory (no weights)."""
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config
+
+    if name in args.model_dirs:
+        return AutoConfig.from_pretrained(args.model_dirs[name])
+    arch, shape = PRESETS[name]
+    return (Qwen2Config if arch == "qwen2" else LlamaConfig)(**shape)
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     args = parse_args(argv)
     global CLOCK
@@ -409,6 +468,10 @@ def main(argv: list[str] | None = None) -> list[str]:
         lines = []
         for row in args.rows:
             lines += run_row(row, args, before, bandwidth)
+        if args.same_kv_gib:
+            print("\nSame KV memory: sequences that fit\n" + SAME_KV_HEADER)
+            for row in args.rows:
+                lines += same_kv_rows(row, args)
         print(f"# load average at the end {os.getloadavg()[0]:.1f}")
         return lines
     finally:

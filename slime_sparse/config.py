@@ -48,6 +48,9 @@ class RolloutConfig:
     engine: str = field(default="embedded", metadata={"help": (
         "embedded (pure PyTorch, in process or a Ray actor) | sglang (patched SGLang servers)")})
     max_batch_size: int = field(default=64, metadata={"help": "sequences decoded at once per engine"})
+    cuda_graph: bool = field(default=True, metadata={"help": (
+        "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
+        "--disable-cuda-graph (SGLang's name) runs them eagerly. SGLang servers: --sglang-cuda-graph")})
     advantage_estimator: str = field(default="grpo", metadata={"help": (
         "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples; dr_grpo is accepted as the spelling of "
         "grpo with --disable-grpo-std-normalization")})

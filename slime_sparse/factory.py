@@ -101,6 +101,7 @@ class EngineSpec:
     device: str  # --device
     bf16: bool
     max_batch_size: int  # sequences decoded at once (embedded)
+    cuda_graph: bool  # decode steps in CUDA graphs on a CUDA device (embedded)
     max_prompt_len: int | None  # longer prompts are an error (embedded)
     sglang: SGLangEngineConfig  # the servers (sglang), model_path set to model_dir
     weight_bucket_bytes: int  # --update-weight-buffer-size: bytes per weight-sync bucket
@@ -111,7 +112,8 @@ class EngineSpec:
         model_dir = _absolute(cfg.train.hf_checkpoint)
         return cls(
             kind=cfg.rollout.engine, kv=cfg.kv, model_dir=model_dir, device=cfg.train.device, bf16=cfg.train.bf16,
-            max_batch_size=cfg.rollout.max_batch_size, max_prompt_len=cfg.data.max_prompt_len,
+            max_batch_size=cfg.rollout.max_batch_size, cuda_graph=cfg.rollout.cuda_graph,
+            max_prompt_len=cfg.data.max_prompt_len,
             sglang=dataclasses.replace(cfg.sglang, model_path=model_dir),
             weight_bucket_bytes=cfg.cluster.update_weight_buffer_size,
             log_dir=os.path.join(_absolute(cfg.log.run_dir), "sglang_logs"),
@@ -127,7 +129,7 @@ def build_engine(spec: EngineSpec):
     device = resolve_device(spec.device)
     model = load_model(spec.model_dir, device=device, bf16=spec.bf16)
     return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
-                          max_prompt_len=spec.max_prompt_len)
+                          max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager")
 
 
 def _sglang_engine(spec: EngineSpec):

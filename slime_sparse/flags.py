@@ -45,6 +45,7 @@ FLAG_ALIASES: dict[str, str] = {
     "data.seed": "--rollout-seed",
     "data.num_epochs": "--num-epoch",
     "rollout.grpo_std_normalization": "--disable-grpo-std-normalization",
+    "rollout.cuda_graph": "--disable-cuda-graph",
     "rollout.over_sampling_batch_size": "--over-sampling-batch-size",
     "rollout.dynamic_sampling_filter_path": "--dynamic-sampling-filter-path",
     "rollout.dynamic_sampling_min_kept_samples": "--dynamic-sampling-min-kept-samples",

@@ -17,7 +17,7 @@ import slime_sparse.rollout.embedded.engine as engine_module
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
-from slime_sparse.rollout.embedded.step import decode_buckets
+from slime_sparse.rollout.embedded.step import SPAN_GRANULARITY, decode_shapes
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -52,24 +52,24 @@ def assert_same_outputs(a, b):
             assert torch.equal(x.evictions.keep_bits, y.evictions.keep_bits)
 
 
-def test_decode_buckets():
-    assert decode_buckets("eager", 5) == [1, 2, 3, 4, 5]
-    assert decode_buckets("cuda_graph", 64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert decode_buckets("compile", 20) == [1, 2, 4, 8, 16, 20]
-    assert decode_buckets("cuda_graph", 1) == [1]
+def test_decode_shapes():
+    assert decode_shapes("eager", 5) == ([1, 2, 3, 4, 5], 1)
+    assert decode_shapes("cuda_graph", 64) == ([1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64], SPAN_GRANULARITY)
+    assert decode_shapes("compile", 20) == ([1, 2, 4, 8, 16, 20], SPAN_GRANULARITY)
+    assert decode_shapes("cuda_graph", 1) == ([1], SPAN_GRANULARITY)
 
 
 @pytest.mark.parametrize("kv", [KVCompressConfig(), RKV, H2O], ids=lambda kv: kv.method)
 def test_padding_rows_and_late_readback_are_inert(kv, monkeypatch):
-    """Eager steps padded to captured batch sizes, tokens read back every 5 steps and EOS in the middle of a
-    window: the outputs of exact-size steps read every step."""
+    """Eager steps padded to captured batch sizes and spans, tokens read back every 5 steps and EOS in the middle of
+    a window: the outputs of exact-size steps read every step."""
     model = make_model()
     stop = EmbeddedEngine(model).generate(PROMPTS[:1], SamplingParams(max_new_tokens=8, ignore_eos=True),
                                           seed=4)[0].response_ids[6]
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(stop,), ignore_eos=True)
     reference = EmbeddedEngine(model, kv, max_batch_size=4).generate(PROMPTS, params, seed=4)
     assert any(o.finish_reason == "stop" for o in reference) and any(o.finish_reason == "length" for o in reference)
-    monkeypatch.setattr(engine_module, "decode_buckets", lambda mode, rows: decode_buckets("cuda_graph", rows))
+    monkeypatch.setattr(engine_module, "decode_shapes", lambda mode, rows: decode_shapes("cuda_graph", rows))
     padded = EmbeddedEngine(model, kv, max_batch_size=4, readback_interval=5)
     assert_same_outputs(padded.generate(PROMPTS, params, seed=4), reference)
     # the rows that ended unseen kept running (and compressing) for a few steps: the forwards say so

@@ -34,12 +34,9 @@ from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
 from .plan import build_plan
 from .sequence import KVTraceRecord, Sequence
-from .step import NO_MASK, STEP_MODES, DecodeState, DecodeStep, bucket_for, decode_buckets
+from .step import NO_MASK, STEP_MODES, DecodeState, DecodeStep, bucket_for, decode_shapes
 
 LONG_PROMPT_POLICIES = ("error", "skip")
-# Decode steps under a CUDA graph or torch.compile read each layer's slots in multiples of this (the largest fill
-# rounded up): a dense cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
-SPAN_GRANULARITY = 256
 
 
 @dataclass
@@ -247,8 +244,7 @@ class _Run:
         tracing = engine.kv_trace is not None
         self.readback = 1 if tracing else engine.readback_interval
         mode = "eager" if tracing else engine.step_mode
-        self.buckets = decode_buckets(mode, rows)
-        self.span_granularity = SPAN_GRANULARITY if mode != "eager" else 1
+        self.buckets, self.span_granularity = decode_shapes(mode, rows)
         self.state = DecodeState.allocate(rows, self.readback, self.device)
         self.step = DecodeStep(self.model, self.cache, self.state, params, self._logits, mode)
         # host mirrors of the rows (never read back from the device): response tokens sampled so far, how many

@@ -108,7 +108,13 @@ class DecodeStep:
         if graph is not None:
             graph.replay()
             return
-        self.run(n, spans)
+        # warm up on a side stream (PyTorch's recipe: lazy initialisation, e.g. of cuBLAS workspaces, must not
+        # happen during the capture)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.run(n, spans)
+        torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             self.run(n, spans)
@@ -117,13 +123,19 @@ class DecodeStep:
         self.captures += 1
 
 
-def decode_buckets(mode: str, max_rows: int) -> list[int]:
-    """Row counts decode steps run at. Captured or compiled steps pad to few sizes, each a graph of its own: 1, 2,
-    4, 8, then every 8 (SGLang's schedule), and max_rows. Eager steps run exactly the rows they have."""
+# Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
+# cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
+SPAN_GRANULARITY = 256
+
+
+def decode_shapes(mode: str, max_rows: int) -> tuple[list[int], int]:
+    """(row counts, span granularity) decode steps run at. Captured or compiled steps pad to few shapes, each a graph
+    of its own: rows 1, 2, 4, 8, then every 8 (SGLang's schedule) and max_rows, spans in multiples of
+    SPAN_GRANULARITY. Eager steps run exactly the rows and slots they have."""
     if mode == "eager":
-        return list(range(1, max_rows + 1))
+        return list(range(1, max_rows + 1)), 1
     sizes = [s for s in (1, 2, 4) if s < max_rows] + list(range(8, max_rows, 8))
-    return sizes + [max_rows]
+    return sizes + [max_rows], SPAN_GRANULARITY
 
 
 def bucket_for(n: int, buckets: list[int]) -> int:

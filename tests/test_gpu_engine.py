@@ -1,0 +1,82 @@
+"""The embedded engine's decode step on a GPU (#28): CUDA graphs replay the eager step, exactly.
+
+Skipped without CUDA (CI has none); `tools/gpu_checks.sh` runs them on the device machine. What they pin down:
+- the decode step captured in CUDA graphs (one per padded batch size and span) samples the tokens of the eager
+  step with the same log-probs, in fp32 and in bf16, dense and compressed, with rows ending early (stop ids) so
+  that padding rows, late readback and row moves all happen;
+- capture happens once per shape and the graphs are replayed (a graph per step would mean no speed-up);
+- the sampler's log-probs equal the learner-side shadow recompute under the eviction record (fp32: to the
+  tolerance of CUDA's kernels, whose reduction order differs between a one-token decode and a full forward).
+"""
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import slime_sparse.rollout.embedded.engine as engine_module
+from slime_sparse.kv import KVCompressConfig
+from slime_sparse.rollout import SamplingParams
+from slime_sparse.rollout.embedded import EmbeddedEngine
+from slime_sparse.rollout.embedded.step import decode_shapes
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+              num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def make_model(dtype: torch.dtype):
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to("cuda", dtype).eval()
+
+
+def prompts(n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(1, 2048, (int(torch.randint(8, 64, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("kv", [KVCompressConfig(), KVCompressConfig(method="rkv", budget=48, buffer=16, window=8),
+                                KVCompressConfig(method="h2o", budget=48, buffer=16, window=8)], ids=lambda k: k.method)
+def test_cuda_graph_step_equals_eager_step(dtype, kv, monkeypatch):
+    """Eager steps at the graphs' padded shapes (rows and spans) against the replayed graphs: bit for bit."""
+    monkeypatch.setattr(engine_module, "decode_shapes", lambda mode, rows: decode_shapes("cuda_graph", rows))
+    model = make_model(dtype)
+    batch = prompts(12)
+    free = EmbeddedEngine(model, kv, device="cuda", step_mode="eager", max_batch_size=8).generate(
+        batch, SamplingParams(max_new_tokens=16, ignore_eos=True), seed=3)
+    stop = free[0].response_ids[10]
+    params = SamplingParams(temperature=1.0, max_new_tokens=160, stop_token_ids=(stop,), ignore_eos=True)
+    eager = EmbeddedEngine(model, kv, device="cuda", step_mode="eager", max_batch_size=8, readback_interval=8)
+    graphs = EmbeddedEngine(model, kv, device="cuda", step_mode="cuda_graph", max_batch_size=8, readback_interval=8)
+    a, b = eager.generate(batch, params, seed=3), graphs.generate(batch, params, seed=3)
+    assert any(o.finish_reason == "stop" for o in a)
+    for x, y in zip(a, b):
+        assert x.response_ids == y.response_ids
+        assert x.logprobs == y.logprobs  # the same kernels on the same shapes: bit for bit
+        assert x.kv == y.kv
+    if kv.enabled:
+        assert graphs.last_stats.compressions > 0
+
+
+def test_graphs_are_captured_once_per_shape_and_replayed():
+    model = make_model(torch.bfloat16)
+    kv = KVCompressConfig(method="rkv", budget=48, buffer=16, window=8)
+    engine = EmbeddedEngine(model, kv, device="cuda", max_batch_size=16)
+    assert engine.step_mode == "cuda_graph"
+    captured = []
+    original = engine_module.DecodeStep
+
+    class Recording(original):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            captured.append(self)
+
+    engine_module.DecodeStep = Recording
+    try:
+        engine.generate(prompts(16), SamplingParams(max_new_tokens=200, ignore_eos=True), seed=0)
+    finally:
+        engine_module.DecodeStep = original
+    step = captured[0]
+    # one padded batch size (16 rows, all ending together) and one span (the cache never exceeds 64 slots)
+    assert step.captures == 1 and engine.last_stats.forwards >= 199
