@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from slime_sparse.kv import KVCompressConfig, peak_slots, should_compress
+from slime_sparse.kv import KVCompressConfig, peak_slots, should_compress, slots_after_compression
 
 
 def _check_non_negative(**values: int) -> None:
@@ -86,12 +86,12 @@ def decode_reservation_after_prefill(
 def slots_freed_by_next_compaction(cache_len: int, generated: int, cfg: KVCompressConfig, dense: bool = False) -> int:
     """Slots our prepare_for_decode hook frees before SGLang allocates the next decode slot (0 if no trigger).
 
-    Compaction keeps exactly min(cache_len, budget) slots (slime_sparse.kv.compress_indices keeps `budget`).
+    Compaction keeps exactly min(cache_len, budget) slots (slime_sparse.kv.schedule.slots_after_compression).
     """
     _check_non_negative(cache_len=cache_len, generated=generated)
     if dense or not should_compress(cache_len, cfg, first_decode=generated == 1):
         return 0
-    return max(0, cache_len - cfg.budget)
+    return cache_len - slots_after_compression(cache_len, cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -21,9 +21,9 @@ def test_trigger_fires_at_budget_plus_buffer():
     assert not should_compress(17, cfg, first_decode=True)  # other methods wait for B + buffer
 
 
-def test_every_method_has_traits_and_only_snapkv_compresses_after_prefill():
+def test_every_method_has_traits_and_only_snapkv_and_pyramidkv_compress_after_prefill():
     assert set(TRAITS) == set(METHODS)
-    assert [m for m in METHODS if TRAITS[m].compresses_after_prefill] == ["snapkv"]
+    assert [m for m in METHODS if TRAITS[m].compresses_after_prefill] == ["snapkv", "pyramidkv"]
     assert [m for m in METHODS if TRAITS[m].tracks_mass] == ["h2o"]
     assert KVCompressConfig(method="streaming").sinks == 4 and KVCompressConfig(method="rkv").sinks == 0
 

@@ -36,7 +36,7 @@ class ShadowMask:
                     r.check(num_layers, num_kv_heads, n)
                 except ValueError as exc:
                     raise ValueError(f"sample {i}: {exc}") from None
-        self.decoded = [None if r is None else (r.starts, r.kept_positions()) for r in records]  # decode once
+        self.decoded = [None if r is None else (r.starts, r.kept_by_layer()) for r in records]  # decode once
         self.width = max(lengths)
         self.num_kv_heads = num_kv_heads
         self.group = num_q_heads // num_kv_heads

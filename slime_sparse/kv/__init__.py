@@ -1,18 +1,24 @@
 """KV-cache compression shared by every engine: per-layer token scores, the choice of kept slots, and when.
 
 Pure torch, no engine imports. An engine asks `schedule.should_compress` after each step and, when it says so,
-calls `compress_indices` (or `score_layer` + `select_kept`) on the cache of one sequence and keeps the returned slots.
+calls `compress_indices` (or `score_layer` + `select_kept`) on the cache of one sequence and keeps the returned slots,
+B_l of them in layer l (`budgets.layer_budgets`: uniform, PyramidKV's pyramid, or an explicit list). Knob values
+come from a named reference (`presets.py`, `--kv-preset`).
 It records what it kept in an `EvictionRecord` (record.py), from which a learner rebuilds the sampler's attention mask.
 """
-from .config import GQA_REDUCTIONS, GRANULARITIES, METHODS, POOLINGS, TRAITS, KVCompressConfig, MethodTraits
+from .budgets import budget_range, layer_budgets, pyramid
+from .config import (GQA_REDUCTIONS, GRANULARITIES, METHODS, POOLINGS, SCHEDULES, TRAITS, KVCompressConfig,
+                     MethodTraits)
+from .presets import PRESETS, KVPreset
 from .record import EvictionRecord, visible_from_kept, visible_positions
-from .schedule import peak_slots, row_capacity, should_compress
+from .schedule import peak_slots, row_capacity, should_compress, slots_after_compression, trigger
 from .scoring import (
     PROTECTED_SCORE,
     attention_logits,
     causal_window_attention,
     gqa_reduce,
     h2o_scores,
+    keydiff_scores,
     pool1d,
     rkv_importance,
     rkv_redundancy,
@@ -25,6 +31,15 @@ from .selection import compress_indices, reduce_heads, select_kept
 
 __all__ = [
     "GQA_REDUCTIONS",
+    "KVPreset",
+    "PRESETS",
+    "SCHEDULES",
+    "budget_range",
+    "keydiff_scores",
+    "layer_budgets",
+    "pyramid",
+    "slots_after_compression",
+    "trigger",
     "GRANULARITIES",
     "METHODS",
     "POOLINGS",

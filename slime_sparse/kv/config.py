@@ -1,7 +1,9 @@
 """Configuration of KV-cache compression, shared by every engine (embedded, SGLang), and what each method needs."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, ClassVar, Mapping
 
 
 @dataclass(frozen=True)
@@ -12,6 +14,7 @@ class MethodTraits:
     tracks_mass: bool = False  # scores with the attention mass each slot received over the whole sequence
     compresses_after_prefill: bool = False  # also cuts the prompt to the budget once it is prefilled (schedule.py)
     default_sinks: int = 0  # first tokens always kept unless --kv-n-sink says otherwise
+    default_schedule: str = "uniform"  # per-layer budgets unless --kv-budget-schedule says otherwise (budgets.py)
 
 
 TRAITS: dict[str, MethodTraits] = {
@@ -20,18 +23,24 @@ TRAITS: dict[str, MethodTraits] = {
     "rkv": MethodTraits(needs_queries=True),
     "streaming": MethodTraits(default_sinks=4),  # 4 sinks + the most recent tokens: positions only
     "h2o": MethodTraits(tracks_mass=True),  # falls back to the window's queries when the engine tracks no mass
+    # SnapKV's scores under PyramidKV's budgets, shrinking with depth (a prefill method, as SnapKV)
+    "pyramidkv": MethodTraits(needs_queries=True, compresses_after_prefill=True, default_schedule="pyramid"),
+    "keydiff": MethodTraits(),  # keys only: no queries, no attention mass
 }
 METHODS = tuple(TRAITS)
 GQA_REDUCTIONS = ("mean", "max")
 GRANULARITIES = ("head", "layer", "model")  # per KV head and layer / one set per layer / one set for all layers
 POOLINGS = ("max", "avg")
+SCHEDULES = ("uniform", "pyramid", "explicit")  # how the budget is spread over layers (budgets.py)
 
 
 @dataclass(frozen=True)
 class KVCompressConfig:
     method: str = field(default="none", metadata={"help": (
-        "KV compression of rollouts: none (dense) | snapkv | rkv | streaming | h2o")})
-    budget: int = field(default=512, metadata={"help": "B: KV tokens kept per sequence after a compression"})
+        "KV compression of rollouts: none (dense) | snapkv | rkv | streaming | h2o | pyramidkv | keydiff")})
+    budget: int = field(default=512, metadata={"help": (
+        "B: KV tokens kept per sequence and layer after a compression (the mean over layers under "
+        "--kv-budget-schedule pyramid)")})
     buffer: int = field(default=128, metadata={"help": (
         "decode tokens between compressions: the cache cycles between B and B + buffer")})
     window: int = field(default=8, metadata={"help": (
@@ -52,6 +61,65 @@ class KVCompressConfig:
     granularity: str = field(default="head", metadata={"help": (
         "head: each KV head of each layer selects | layer: one set per layer (mean of its heads' scores) | "
         "model: one set for all layers")})
+    budget_schedule: str | None = field(default=None, metadata={"help": (
+        "uniform: every layer keeps --kv-budget | pyramid: PyramidKV's budgets, shrinking with depth, mean "
+        "--kv-budget | explicit: --kv-layer-budgets; unset: the method's (pyramidkv: pyramid, others uniform)")})
+    layer_budgets: tuple[int, ...] = field(default=(), metadata={"help": (
+        "one budget per layer, first layer first (needs --kv-budget-schedule explicit; --kv-budget is then "
+        "unused)")})
+    pyramid_beta: float = field(default=10.0, metadata={"help": (
+        "PyramidKV's beta: the last layer keeps 1/beta of the mean selectable budget (--kv-budget minus window "
+        "and sinks), the first twice that mean minus it")})
+    preset: str = field(default="", metadata={"help": (
+        "sparse-rl-fork | rkv-code | kvpress: the reference implementation whose knob values to start from "
+        "(other --kv-* flags override; slime_sparse/kv/presets.py names each source); unset: the knobs as given, "
+        "whose defaults are sparse-rl-fork's, the settings the Sparse-RL results were produced with")})
+
+    FLAG_PREFIX: ClassVar[str] = "--kv-"
+
+    def __post_init__(self) -> None:
+        if not self.preset:
+            object.__setattr__(self, "preset", self.equal_preset())
+
+    def equal_preset(self) -> str:
+        """The preset that covers this method and whose knobs these all equal, or "custom"."""
+        from .presets import PRESETS, preset_values
+
+        return next((name for name, p in PRESETS.items() if (self.method in p.methods or not self.enabled)
+                     and all(getattr(self, k) == v for k, v in preset_values(name).items())), "custom")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "KVCompressConfig":
+        """The `kv` section of a run config: its `preset` (if it names one) with the knobs it sets on top."""
+        values = dict(values)
+        preset = values.pop("preset", "")
+        if preset in ("", "custom"):
+            return cls(**values)
+        return cls.from_preset(preset, **values)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> "KVCompressConfig":
+        """A preset's knobs (presets.py) with some overridden; the result is validated."""
+        from .presets import PRESETS, preset_values
+
+        if name not in PRESETS:
+            raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: choose one of {tuple(PRESETS)}")
+        known = {f.name for f in dataclasses.fields(cls)} - {"preset"}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown kv option(s) {', '.join(cls._flag(k) for k in unknown)}")
+        cfg = cls(**{**preset_values(name), **overrides, "preset": name})
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def _flag(cls, name: str) -> str:
+        return cls.FLAG_PREFIX + name.replace("_", "-")
+
+    @property
+    def schedule(self) -> str:
+        """The budget schedule in force: --kv-budget-schedule, else the method's."""
+        return self.budget_schedule if self.budget_schedule is not None else self.traits.default_schedule
 
     @property
     def sinks(self) -> int:
@@ -91,5 +159,25 @@ class KVCompressConfig:
             bad("mix-lambda", self.mix_lambda, "must lie in [0, 1]")
         if self.n_sink is not None and self.n_sink < 0:
             bad("n-sink", self.n_sink, "must be >= 0")
-        if self.enabled and self.budget <= self.window + self.sinks:
-            bad("budget", self.budget, f"must exceed window + sinks = {self.window + self.sinks}")
+        if self.schedule not in SCHEDULES:
+            bad("budget-schedule", self.schedule, f"choose one of {SCHEDULES}")
+        if (self.schedule == "explicit") != bool(self.layer_budgets):
+            bad("layer-budgets", self.layer_budgets, "is set exactly when --kv-budget-schedule is explicit")
+        if self.pyramid_beta < 1:
+            bad("pyramid-beta", self.pyramid_beta, "must be >= 1")
+        if self.preset != "custom":
+            from .presets import PRESETS
+
+            if self.preset not in PRESETS:
+                bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
+            if self.enabled and self.method not in PRESETS[self.preset].methods:
+                covering = [n for n, p in PRESETS.items() if self.method in p.methods]
+                bad("preset", self.preset, f"has no settings for --kv-method={self.method} (presets that do: "
+                    f"{covering or 'none'})")
+        protected = self.window + self.sinks
+        if self.enabled and self.schedule == "explicit":
+            too_small = [b for b in self.layer_budgets if b <= protected]
+            if too_small:
+                bad("layer-budgets", self.layer_budgets, f"every budget must exceed window + sinks = {protected}")
+        elif self.enabled and self.budget <= protected:
+            bad("budget", self.budget, f"must exceed window + sinks = {protected}")

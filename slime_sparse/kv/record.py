@@ -16,6 +16,7 @@ layer for StreamingLLM) is stored once (size 1) instead of once per head / layer
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -26,54 +27,82 @@ class EvictionRecord:
     """The compressions of one sample, encoded as keep bits over what each compression could choose from.
 
     Before compression e a row holds, per layer and head, H_e = kept_{e-1} U [starts[e-1], starts[e]) (sorted;
-    H_0 = [0, starts[0])), and it keeps B of them: one bit per held slot says which. That costs (B + buffer) / 8
+    H_0 = [0, starts[0])), and it keeps B_l of them: one bit per held slot says which. That costs (B + buffer) / 8
     bytes per layer and head per compression instead of 2 * B for the positions themselves (12.8x less at the
-    paper's budget 512, buffer 128). `kept_positions()` decodes.
+    paper's budget 512, buffer 128). `kept_by_layer()` decodes.
 
-    starts: [E] int64, non-decreasing. keep_bits: uint8, the bits of every compression in order, each [L', H', |H_e|]
-    flattened, packed 8 per byte. shape: (L', H', B), L' in {1, L}, H' in {1, Hkv}.
+    starts: [E] int64, non-decreasing. keep_bits: uint8, the bits of every compression in order, each the
+    concatenation over stored layers of that layer's [H', |H_e,l|] bits, packed 8 per byte (under one budget: one
+    [L', H', |H_e|] block, the layout of records written before per-layer budgets). shape: (L', H', max_l B_l),
+    L' in {1, L}, H' in {1, Hkv}. budgets: B_l per stored layer, or None when every layer keeps shape[2].
     """
 
     starts: Tensor
     keep_bits: Tensor
     shape: tuple[int, int, int]
+    budgets: tuple[int, ...] | None = None
+
+    @property
+    def layer_budgets(self) -> tuple[int, ...]:
+        """B_l of each stored layer (L' entries)."""
+        return self.budgets if self.budgets is not None else (self.shape[2],) * self.shape[0]
 
     @classmethod
-    def from_events(cls, events: list[tuple[int, Tensor]]) -> "EvictionRecord | None":
-        """From (tokens processed before the compression, kept positions [L, Hkv, B]) in order; None if none."""
+    def from_events(cls, events: list[tuple[int, Tensor | Sequence[Tensor]]]) -> "EvictionRecord | None":
+        """From (tokens processed before the compression, kept positions) in order; None if none. Kept positions:
+        [L, Hkv, B] under one budget, or one [Hkv, B_l] per layer (the same B_l at every compression)."""
         if not events:
             return None
         starts = torch.tensor([s for s, _ in events], dtype=torch.int64)
         if bool((starts[1:] < starts[:-1]).any()):
             raise ValueError(f"eviction events out of order: starts {starts.tolist()}")
-        kept = torch.stack([k.to("cpu", torch.int64) for _, k in events]).sort(dim=-1).values  # [E, L, H, B]
-        for dim in (2, 1):  # heads first: a layer-granular record still differs across layers
-            if kept.shape[dim] > 1 and bool((kept == kept.narrow(dim, 0, 1)).all()):
-                kept = kept.narrow(dim, 0, 1)
-        kept = kept.contiguous()  # searchsorted wants contiguous inputs
+        per_layer = [_as_layers(k) for _, k in events]  # per event, per layer [H, B_l]
+        n_layers = len(per_layer[0])
+        budgets = tuple(k.shape[-1] for k in per_layer[0])
+        if any(tuple(k.shape[-1] for k in layers) != budgets for layers in per_layer):
+            raise ValueError("eviction events keep different budgets: each layer keeps the same B_l at every "
+                             "compression")
+        # [E, H, B_l] per layer, positions sorted
+        kept = [torch.stack([layers[l] for layers in per_layer]).sort(dim=-1).values for l in range(n_layers)]
+        if all(k.shape[1] > 1 and bool((k == k[:, :1]).all()) for k in kept):  # heads first: a layer-granular
+            kept = [k[:, :1] for k in kept]                                       # record still differs by layer
+        if n_layers > 1 and len(set(budgets)) == 1 and all(torch.equal(k, kept[0]) for k in kept):
+            kept, budgets = kept[:1], budgets[:1]
+        kept = [k.contiguous() for k in kept]  # searchsorted wants contiguous inputs
         bits = []
-        for held, chosen in zip(_held_before(starts, kept), kept):
-            slot = torch.searchsorted(held, chosen).clamp(max=held.shape[-1] - 1)
-            if not torch.equal(held.gather(-1, slot), chosen):
-                raise ValueError("eviction record keeps a position its row did not hold (outside [0, start) "
-                                 "or evicted before)")
-            bits.append(torch.zeros_like(held, dtype=torch.bool).scatter_(-1, slot, True).flatten())
-        return cls(starts=starts, keep_bits=pack_bits(torch.cat(bits)), shape=tuple(kept.shape[1:]))
+        for e in range(starts.numel()):
+            for layer, held in enumerate(_held_before(starts, kept, e)):
+                chosen = kept[layer][e]
+                slot = torch.searchsorted(held, chosen).clamp(max=held.shape[-1] - 1)
+                if not torch.equal(held.gather(-1, slot), chosen):
+                    raise ValueError("eviction record keeps a position its row did not hold (outside [0, start) "
+                                     "or evicted before)")
+                bits.append(torch.zeros_like(held, dtype=torch.bool).scatter_(-1, slot, True).flatten())
+        uniform = len(set(budgets)) == 1
+        return cls(starts=starts, keep_bits=pack_bits(torch.cat(bits)),
+                   shape=(len(kept), kept[0].shape[1], max(budgets)), budgets=None if uniform else budgets)
+
+    def kept_by_layer(self) -> list[Tensor]:
+        """Per stored layer, [E, H', B_l] int64: the positions each compression kept."""
+        n_layers, n_heads, _ = self.shape
+        budgets = self.layer_budgets
+        bits = unpack_bits(self.keep_bits)
+        kept: list[list[Tensor]] = [[] for _ in range(n_layers)]
+        offset = 0
+        for e in range(self.starts.numel()):
+            before = [k[-1] for k in kept] if e else None
+            for layer, held in enumerate(_held_from(self.starts, e, before, n_layers, n_heads)):
+                chosen = bits[offset: offset + held.numel()].view(held.shape)
+                offset += held.numel()
+                kept[layer].append(held[chosen].view(n_heads, budgets[layer]))
+        return [torch.stack(k) for k in kept]
 
     def kept_positions(self) -> Tensor:
-        """[E, L', H', B] int64: the positions each compression kept."""
-        n_layers, n_heads, budget = self.shape
-        bits = unpack_bits(self.keep_bits)
-        kept, offset = [], 0
-        for e in range(self.starts.numel()):
-            held = (torch.arange(int(self.starts[0])).expand(n_layers, n_heads, -1) if e == 0 else
-                    torch.cat([kept[-1], torch.arange(int(self.starts[e - 1]), int(self.starts[e])).expand(
-                        n_layers, n_heads, -1)], dim=-1))
-            size = held.numel()
-            chosen = bits[offset: offset + size].view(held.shape)
-            offset += size
-            kept.append(held[chosen].view(n_layers, n_heads, budget))
-        return torch.stack(kept)
+        """[E, L', H', B] int64: the positions each compression kept (one budget for every layer; else see
+        `kept_by_layer`)."""
+        if self.budgets is not None:
+            raise ValueError(f"this record keeps per-layer budgets {self.budgets}: decode it with kept_by_layer()")
+        return torch.stack(self.kept_by_layer(), dim=1)
 
     @property
     def nbytes(self) -> int:
@@ -86,18 +115,31 @@ class EvictionRecord:
         if n_layers not in (1, num_layers) or n_heads not in (1, num_kv_heads):
             raise ValueError(f"eviction record has {n_layers} layers x {n_heads} KV heads, "
                              f"the model {num_layers} x {num_kv_heads}")
+        if self.budgets is not None and len(self.budgets) != n_layers:
+            raise ValueError(f"eviction record has {len(self.budgets)} layer budgets for {n_layers} layers")
         if int(self.starts[-1]) > length:
             raise ValueError(f"eviction record compresses after {int(self.starts[-1])} tokens of a {length}-token sequence")
 
 
-def _held_before(starts: Tensor, kept: Tensor) -> list[Tensor]:
-    """H_e [L', H', n_e] for every compression e, from the kept positions of the ones before it."""
-    shape = kept.shape[1:3]
-    held = [torch.arange(int(starts[0])).expand(*shape, -1).contiguous()]
-    for e in range(1, starts.numel()):
-        recent = torch.arange(int(starts[e - 1]), int(starts[e])).expand(*shape, -1)
-        held.append(torch.cat([kept[e - 1], recent], dim=-1))
-    return held
+def _as_layers(kept: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    """An event's kept positions as one [H, B_l] int64 CPU tensor per layer."""
+    layers = list(kept.unbind(0)) if isinstance(kept, Tensor) else list(kept)
+    return [k.to("cpu", torch.int64) for k in layers]
+
+
+def _held_before(starts: Tensor, kept: list[Tensor], e: int) -> list[Tensor]:
+    """H_e [H', n_e,l] of every stored layer for compression e, from the kept positions [E, H', B_l] per layer."""
+    before = [k[e - 1] for k in kept] if e else None
+    return _held_from(starts, e, before, len(kept), kept[0].shape[1])
+
+
+def _held_from(starts: Tensor, e: int, before: list[Tensor] | None, n_layers: int, n_heads: int) -> list[Tensor]:
+    """H_e per layer: [0, starts[0]) for e = 0, else what e - 1 kept ([H', B_l] each) then [starts[e-1], starts[e])."""
+    if e == 0:
+        first = torch.arange(int(starts[0])).expand(n_heads, -1).contiguous()
+        return [first] * n_layers
+    recent = torch.arange(int(starts[e - 1]), int(starts[e])).expand(n_heads, -1)
+    return [torch.cat([k, recent], dim=-1) for k in before]
 
 
 _BIT = 2 ** torch.arange(8, dtype=torch.uint8)
@@ -123,12 +165,15 @@ def visible_positions(record: EvictionRecord | None, width: int, layer: int) -> 
     """
     if record is None:
         return _causal(width)[None]
-    return visible_from_kept(record.starts, record.kept_positions(), width, layer)
+    return visible_from_kept(record.starts, record.kept_by_layer(), width, layer)
 
 
-def visible_from_kept(starts: Tensor, kept: Tensor, width: int, layer: int) -> Tensor:
-    """`visible_positions` from decoded kept positions [E, L', H', B] (decode once, build every layer's mask)."""
-    kept = kept[:, layer if kept.shape[1] > 1 else 0]  # [E, H', B]
+def visible_from_kept(starts: Tensor, kept: Tensor | Sequence[Tensor], width: int, layer: int) -> Tensor:
+    """`visible_positions` from decoded kept positions: [E, L', H', B] (`kept_positions`) or one [E, H', B_l] per
+    stored layer (`kept_by_layer`), so a caller decodes once and builds every layer's mask."""
+    n_stored = kept.shape[1] if isinstance(kept, Tensor) else len(kept)
+    index = layer if n_stored > 1 else 0
+    kept = kept[:, index] if isinstance(kept, Tensor) else kept[index]  # [E, H', B_l]
     n_events, n_heads, _ = kept.shape
     member = torch.zeros(n_events + 1, n_heads, width, dtype=torch.bool)  # event 0 = "no compression yet"
     member[1:].scatter_(-1, kept, True)

@@ -1,9 +1,12 @@
 """Which cache slots survive a compression: top-k under protection of sinks and window, per head/layer/model."""
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
+from .budgets import layer_budgets
 from .config import KVCompressConfig
 from .scoring import score_layer
 
@@ -48,23 +51,25 @@ def compress_indices(
     queries: list[Tensor],
     values: list[Tensor] | None = None,
     attn_mass: list[Tensor | None] | None = None,
-    budget: int | None = None,
+    budget: int | Sequence[int] | None = None,
 ) -> list[Tensor]:
-    """Kept slots of one sequence, per layer: a LongTensor [Hkv, budget] (sorted per head) for each layer.
+    """Kept slots of one sequence, per layer: a LongTensor [Hkv, B_l] (sorted per head) for layer l.
 
-    Lists hold one entry per layer (see `score_layer` for shapes); budget defaults to cfg.budget.
+    Lists hold one entry per layer (see `score_layer` for shapes). budget: one int for every layer, or one per
+    layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule (uniform: cfg.budget everywhere).
     Granularity (cfg.granularity):
     - 'head':  every KV head of every layer selects on its own scores;
     - 'layer': one set per layer from the mean of its heads' scores (`reduce_heads`), shared by its heads;
-    - 'model': one set for the whole model from the mean over layers of the per-layer head means (all layers
-      weigh equally), identical for every head and layer. Every layer must then hold the same n slots.
-    If n <= budget every slot is kept ([Hkv, n], arange per head).
+    - 'model': one ranking for the whole model from the mean over layers of the per-layer head means (all layers
+      weigh equally); layer l keeps its B_l best of it (one set for every head and layer under one budget; nested
+      sets under per-layer budgets). Every layer must then hold the same n slots.
+    A layer holding n <= B_l slots keeps them all ([Hkv, n], arange per head).
     """
     cfg.validate()
-    budget = cfg.budget if budget is None else budget
     n_layers = len(keys)
     if n_layers == 0:
         raise ValueError("compress_indices needs at least one layer of keys")
+    budgets = _per_layer(cfg, budget, n_layers)
     if len(queries) != n_layers:
         raise ValueError(f"got {len(queries)} layers of queries for {n_layers} layers of keys")
     for name, per_layer in (("values", values), ("attn_mass", attn_mass)):
@@ -83,16 +88,27 @@ def compress_indices(
     ]
 
     if cfg.granularity == "head":
-        return [select_kept(s, budget, cfg) for s in scores]
+        return [select_kept(s, b, cfg) for s, b in zip(scores, budgets)]
     if cfg.granularity == "layer":
-        return [_broadcast(select_kept(reduce_heads(s), budget, cfg), s.shape[0]) for s in scores]
+        return [_broadcast(select_kept(reduce_heads(s), b, cfg), s.shape[0]) for s, b in zip(scores, budgets)]
     # 'model'
     lengths = {s.shape[-1] for s in scores}
     if len(lengths) != 1:
         raise ValueError(f"--kv-granularity=model needs the same cache length in every layer, got {sorted(lengths)}")
     joint = torch.stack([reduce_heads(s) for s in scores]).mean(dim=0)
-    kept = select_kept(joint, budget, cfg)
-    return [_broadcast(kept, s.shape[0]) for s in scores]
+    kept = {b: select_kept(joint, b, cfg) for b in set(budgets)}
+    return [_broadcast(kept[b], s.shape[0]) for s, b in zip(scores, budgets)]
+
+
+def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
+    if budget is None:
+        return layer_budgets(cfg, n_layers)
+    if isinstance(budget, int):
+        return (budget,) * n_layers
+    budgets = tuple(int(b) for b in budget)
+    if len(budgets) != n_layers:
+        raise ValueError(f"got {len(budgets)} budgets for {n_layers} layers of keys")
+    return budgets
 
 
 def _broadcast(kept: Tensor, n_kv_heads: int) -> Tensor:
