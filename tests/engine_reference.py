@@ -45,7 +45,8 @@ AttentionInterface.register("test_masked_reference", _masked_reference_attention
 def masked_reference_logprobs(model, records: list[KVTraceRecord], prompt, response, temperature):
     """Log-probs of `response` when query q of layer l, KV head h sees exactly the held positions <= q."""
     total = len(prompt) + len(response) - 1  # the last sampled token is never run
-    n_layers, n_kv = records[0].held_positions.shape[:2]
+    # held_positions: [L, Hkv, n], or one [Hkv, n_l] per layer when the layers hold different numbers of slots
+    n_layers, n_kv = len(records[0].held_positions), records[0].held_positions[0].shape[0]
     group = model.config.num_attention_heads // n_kv
     masks = torch.zeros(n_layers, n_kv, total, total, dtype=torch.bool)
     covered = torch.zeros(total, dtype=torch.int)
@@ -54,7 +55,7 @@ def masked_reference_logprobs(model, records: list[KVTraceRecord], prompt, respo
             covered[q] += 1
             for layer in range(n_layers):
                 for h in range(n_kv):
-                    held = rec.held_positions[layer, h].long()
+                    held = rec.held_positions[layer][h].long()
                     masks[layer, h, q, held[held <= q]] = True
     assert covered.tolist() == [1] * total, "every position must run through the model exactly once"
     previous = model.config._attn_implementation  # switched for this forward only (no copy of a real model)

@@ -56,6 +56,38 @@ def test_shadow_recompute_equals_sampler_logprobs(method, granularity):
     assert (dense - sampler).abs().max() > 1e-2  # the cache did change what the sampler saw
 
 
+@pytest.mark.parametrize("kv", [
+    KVCompressConfig(method="pyramidkv", budget=12, buffer=5, window=3, kernel_size=3, pyramid_beta=3.0),
+    KVCompressConfig(method="rkv", budget=12, buffer=5, window=3, kernel_size=3, budget_schedule="pyramid",
+                     pyramid_beta=3.0, granularity="layer"),
+    KVCompressConfig(method="h2o", budget=12, buffer=5, window=3, budget_schedule="explicit", layer_budgets=(16, 8)),
+], ids=["pyramidkv", "rkv-pyramid-layer", "h2o-explicit"])
+def test_per_layer_budgets_keep_the_engine_exact(kv):
+    """Per-layer budgets (#30) in the embedded engine: each layer holds its own budget, the sampler's log-probs equal
+    the masked reference of what each layer held (kv_trace) and the learner's shadow recompute of the record."""
+    from engine_reference import masked_reference_logprobs
+    from slime_sparse.kv import layer_budgets
+
+    model = tiny_model()
+    outs, traces = generate(model, kv)
+    budgets = layer_budgets(kv, TINY["num_hidden_layers"])
+    assert len(set(budgets)) > 1
+    for i, out in enumerate(outs):
+        assert out.kv.compressions > 0 and out.kv.peak_kv_tokens <= max(budgets) + kv.buffer
+        sizes = {tuple(h.shape[-1] for h in rec.held_positions) for rec in traces[i]}
+        assert any(a != b for a, b in sizes)  # the layers held different numbers of slots
+        ref = masked_reference_logprobs(model, traces[i], out.prompt_ids, out.response_ids, SAMPLE.temperature)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+        assert out.evictions.layer_budgets == budgets or out.evictions.shape[0] == 1
+    tokens = [o.prompt_ids + o.response_ids for o in outs]
+    lens = [len(o.response_ids) for o in outs]
+    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
+    with torch.no_grad():
+        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
+                                      shadow=[o.evictions for o in outs])
+    assert (shadow - sampler).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("method", ["snapkv", "rkv"])
 def test_samples_of_one_prompt_share_the_prefill_records(method):
     """GRPO's n samples of a prompt share one prefill (its compressions included, here a chunked one and SnapKV's

@@ -165,6 +165,11 @@ class KVCompressConfig:
             bad("layer-budgets", self.layer_budgets, "is set exactly when --kv-budget-schedule is explicit")
         if self.pyramid_beta < 1:
             bad("pyramid-beta", self.pyramid_beta, "must be >= 1")
+        if self.enabled and self.granularity == "model" and self.schedule != "uniform":
+            # one set for all layers cannot be kept at several sizes: after one compression the layers hold
+            # different slots, and no single ranking covers them
+            bad("granularity", self.granularity, f"model needs one budget for every layer, not --kv-budget-schedule "
+                f"{self.schedule} (use head or layer)")
         if self.preset != "custom":
             from .presets import PRESETS
 

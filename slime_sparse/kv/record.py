@@ -50,42 +50,42 @@ class EvictionRecord:
     @classmethod
     def from_events(cls, events: list[tuple[int, Tensor | Sequence[Tensor]]]) -> "EvictionRecord | None":
         """From (tokens processed before the compression, kept positions) in order; None if none. Kept positions:
-        [L, Hkv, B] under one budget, or one [Hkv, B_l] per layer (the same B_l at every compression)."""
+        [L, Hkv, B] under one budget, or one [Hkv, k_l] per layer. A layer keeps B_l at every compression but one
+        that found fewer slots than that (a prompt shorter than the layer's budget, cut after prefill under per-layer
+        budgets: it keeps them all); the keep bits say how many either way."""
         if not events:
             return None
         starts = torch.tensor([s for s, _ in events], dtype=torch.int64)
         if bool((starts[1:] < starts[:-1]).any()):
             raise ValueError(f"eviction events out of order: starts {starts.tolist()}")
-        per_layer = [_as_layers(k) for _, k in events]  # per event, per layer [H, B_l]
-        n_layers = len(per_layer[0])
-        budgets = tuple(k.shape[-1] for k in per_layer[0])
-        if any(tuple(k.shape[-1] for k in layers) != budgets for layers in per_layer):
-            raise ValueError("eviction events keep different budgets: each layer keeps the same B_l at every "
-                             "compression")
-        # [E, H, B_l] per layer, positions sorted
-        kept = [torch.stack([layers[l] for layers in per_layer]).sort(dim=-1).values for l in range(n_layers)]
-        if all(k.shape[1] > 1 and bool((k == k[:, :1]).all()) for k in kept):  # heads first: a layer-granular
-            kept = [k[:, :1] for k in kept]                                       # record still differs by layer
-        if n_layers > 1 and len(set(budgets)) == 1 and all(torch.equal(k, kept[0]) for k in kept):
-            kept, budgets = kept[:1], budgets[:1]
-        kept = [k.contiguous() for k in kept]  # searchsorted wants contiguous inputs
+        per_event = [_as_layers(k) for _, k in events]  # per event, per layer [H, k], positions sorted
+        n_layers = len(per_event[0])
+        if any(len(layers) != n_layers for layers in per_event):
+            raise ValueError("eviction events cover different numbers of layers")
+        kept = [[layers[layer].sort(dim=-1).values for layers in per_event] for layer in range(n_layers)]  # [l][e]
+        if all(k.shape[0] > 1 and bool((k == k[:1]).all()) for ks in kept for k in ks):  # heads first: a layer-
+            kept = [[k[:1] for k in ks] for ks in kept]                                   # granular record still
+        if n_layers > 1 and all(_same(ks, kept[0]) for ks in kept):                       # differs by layer
+            kept = kept[:1]
         bits = []
         for e in range(starts.numel()):
-            for layer, held in enumerate(_held_before(starts, kept, e)):
-                chosen = kept[layer][e]
+            for layer, held in enumerate(_held_from(starts, e, [ks[e - 1] for ks in kept] if e else None, len(kept),
+                                                    kept[0][0].shape[0])):
+                chosen = kept[layer][e].contiguous()  # searchsorted wants contiguous inputs
                 slot = torch.searchsorted(held, chosen).clamp(max=held.shape[-1] - 1)
                 if not torch.equal(held.gather(-1, slot), chosen):
                     raise ValueError("eviction record keeps a position its row did not hold (outside [0, start) "
                                      "or evicted before)")
                 bits.append(torch.zeros_like(held, dtype=torch.bool).scatter_(-1, slot, True).flatten())
-        uniform = len(set(budgets)) == 1
+        budgets = tuple(max(k.shape[-1] for k in ks) for ks in kept)
         return cls(starts=starts, keep_bits=pack_bits(torch.cat(bits)),
-                   shape=(len(kept), kept[0].shape[1], max(budgets)), budgets=None if uniform else budgets)
+                   shape=(len(kept), kept[0][0].shape[0], max(budgets)),
+                   budgets=None if len(set(budgets)) == 1 else budgets)
 
     def kept_by_layer(self) -> list[Tensor]:
-        """Per stored layer, [E, H', B_l] int64: the positions each compression kept."""
+        """Per stored layer, [E, H', B_l] int64: the positions each compression kept. A compression that kept fewer
+        (see from_events) repeats its last position up to B_l: a set of positions read as a mask is unchanged."""
         n_layers, n_heads, _ = self.shape
-        budgets = self.layer_budgets
         bits = unpack_bits(self.keep_bits)
         kept: list[list[Tensor]] = [[] for _ in range(n_layers)]
         offset = 0
@@ -94,8 +94,8 @@ class EvictionRecord:
             for layer, held in enumerate(_held_from(self.starts, e, before, n_layers, n_heads)):
                 chosen = bits[offset: offset + held.numel()].view(held.shape)
                 offset += held.numel()
-                kept[layer].append(held[chosen].view(n_heads, budgets[layer]))
-        return [torch.stack(k) for k in kept]
+                kept[layer].append(held[chosen].view(n_heads, -1))
+        return [torch.stack([_pad_to(k, b) for k in ks]) for ks, b in zip(kept, self.layer_budgets)]
 
     def kept_positions(self) -> Tensor:
         """[E, L', H', B] int64: the positions each compression kept (one budget for every layer; else see
@@ -127,10 +127,13 @@ def _as_layers(kept: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return [k.to("cpu", torch.int64) for k in layers]
 
 
-def _held_before(starts: Tensor, kept: list[Tensor], e: int) -> list[Tensor]:
-    """H_e [H', n_e,l] of every stored layer for compression e, from the kept positions [E, H', B_l] per layer."""
-    before = [k[e - 1] for k in kept] if e else None
-    return _held_from(starts, e, before, len(kept), kept[0].shape[1])
+def _same(a: list[Tensor], b: list[Tensor]) -> bool:
+    return all(x.shape == y.shape and torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _pad_to(kept: Tensor, size: int) -> Tensor:
+    """[H', k] -> [H', size], repeating the last position (k < size only when a compression kept every slot)."""
+    return kept if kept.shape[-1] == size else torch.cat([kept, kept[:, -1:].expand(-1, size - kept.shape[-1])], -1)
 
 
 def _held_from(starts: Tensor, e: int, before: list[Tensor] | None, n_layers: int, n_heads: int) -> list[Tensor]:

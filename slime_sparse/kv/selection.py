@@ -35,14 +35,14 @@ def select_kept(scores: Tensor, budget: int, cfg: KVCompressConfig) -> Tensor:
 
 
 def reduce_heads(scores: Tensor) -> Tensor:
-    """One score per slot from [Hkv, n] per-head scores: their plain mean (no per-head normalisation).
+    """One score per slot from [..., Hkv, n] per-head scores: their plain mean (no per-head normalisation).
 
     Why no normalisation: every method's per-head scores already share a comparable scale (each head spreads
     the same total attention mass over the slots, R-KV's redundancy is a softmax over slots, recency is a slot
     index), and the mean ranks slots exactly like the Sparse-RL authors' SGLang, which sums scores over heads.
     Protected slots stay +inf.
     """
-    return scores.mean(dim=0)
+    return scores.mean(dim=-2)
 
 
 def compress_indices(
@@ -55,7 +55,9 @@ def compress_indices(
 ) -> list[Tensor]:
     """Kept slots of one sequence, per layer: a LongTensor [Hkv, B_l] (sorted per head) for layer l.
 
-    Lists hold one entry per layer (see `score_layer` for shapes). budget: one int for every layer, or one per
+    Lists hold one entry per layer (see `score_layer` for shapes). Leading batch dimensions broadcast: keys
+    [..., Hkv, n, d] (e.g. the rows of an engine that compress together, every one holding the same n slots in a
+    layer) give kept [..., Hkv, B_l], each entry what it would keep alone. budget: one int for every layer, or one per
     layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule (uniform: cfg.budget everywhere).
     Granularity (cfg.granularity):
     - 'head':  every KV head of every layer selects on its own scores;
@@ -90,14 +92,14 @@ def compress_indices(
     if cfg.granularity == "head":
         return [select_kept(s, b, cfg) for s, b in zip(scores, budgets)]
     if cfg.granularity == "layer":
-        return [_broadcast(select_kept(reduce_heads(s), b, cfg), s.shape[0]) for s, b in zip(scores, budgets)]
+        return [_broadcast(select_kept(reduce_heads(s), b, cfg), s.shape[-2]) for s, b in zip(scores, budgets)]
     # 'model'
     lengths = {s.shape[-1] for s in scores}
     if len(lengths) != 1:
         raise ValueError(f"--kv-granularity=model needs the same cache length in every layer, got {sorted(lengths)}")
     joint = torch.stack([reduce_heads(s) for s in scores]).mean(dim=0)
     kept = {b: select_kept(joint, b, cfg) for b in set(budgets)}
-    return [_broadcast(kept[b], s.shape[0]) for s, b in zip(scores, budgets)]
+    return [_broadcast(kept[b], s.shape[-2]) for s, b in zip(scores, budgets)]
 
 
 def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
@@ -112,5 +114,5 @@ def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_laye
 
 
 def _broadcast(kept: Tensor, n_kv_heads: int) -> Tensor:
-    """[k] -> [Hkv, k] (a real copy: engines may index or modify it per head)."""
-    return kept.expand(n_kv_heads, -1).clone()
+    """[..., k] -> [..., Hkv, k] (a real copy: engines may index or modify it per head)."""
+    return kept.unsqueeze(-2).expand(*kept.shape[:-1], n_kv_heads, kept.shape[-1]).clone()

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig, compress_indices, row_capacity, should_compress
+from slime_sparse.kv import KVCompressConfig, compress_indices, layer_budgets, row_capacity, should_compress, trigger
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_tokens
 from slime_sparse.types import GenerationOutput, KVStats
@@ -235,8 +235,9 @@ class _Run:
         self.context = self.model.config.max_position_embeddings
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, self.context)
         n_layers = self.model.config.num_hidden_layers
-        self.budgets = [kv.budget] * n_layers
-        self.capacity = row_capacity(self.kv, longest)
+        self.budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
+        self.trigger = trigger(kv)  # the fullest layer's slots at which a row compresses (kv/schedule.py)
+        self.capacity = row_capacity(self.kv, longest)  # every layer holds that many before the first compression
         rows = min(engine.max_batch_size, len(sequences))
         self.cache = self._allocate(rows, [self.capacity] * n_layers)
         self.stats = engine.last_stats = GenerateStats(kv_cache_bytes=self.cache.kv_bytes)
@@ -251,7 +252,9 @@ class _Run:
         # the row may sample, and the cache fill each sampled token's logits came from
         self.issued = np.zeros(rows, dtype=np.int64)
         self.limit = np.zeros(rows, dtype=np.int64)
+        # per sampled token, the slots its logits' context held: summed over layers (KV memory) and in the fullest one
         self.kept_log = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
+        self.peak_log = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
         self.pending: deque[_Readback] = deque()
 
     def _allocate(self, rows: int, capacities: list[int]) -> BudgetKVCache:
@@ -326,10 +329,10 @@ class _Run:
                 if not chunk:
                     continue  # prompt already done: this row only rode along
                 seq.processed += len(chunk)
-                seq.prefill_peak = max(seq.prefill_peak, int(fill[0, row]))
+                seq.prefill_peak = max(seq.prefill_peak, int(fill[:, row].max()))
                 self._trace(row, [seq, *followers[id(seq)]], range(seq.processed - len(chunk), seq.processed))
                 if seq.processed < len(seq.prompt):
-                    if should_compress(int(fill[0, row]), self.kv):  # a long prompt, prefilled in chunks
+                    if should_compress(int(fill[:, row].max()), self.kv):  # a long prompt, prefilled in chunks
                         self._compress_rows([row], [[seq]])
                     continue
                 group = [seq] + followers[id(seq)]
@@ -337,7 +340,7 @@ class _Run:
                     f.processed, f.prefill_peak, f.evictions = seq.processed, seq.prefill_peak, list(seq.evictions)
                 self._sample_first(group, [row, *follower_rows[id(seq)]], logits[b])
                 live = [s for s in group if not s.finished]
-                if live and should_compress(int(fill[0, row]), self.kv, first_decode=True):
+                if live and should_compress(int(fill[:, row].max()), self.kv, first_decode=True):
                     self._compress_rows([row], [live])
                 for f, f_row in zip(followers[id(seq)], follower_rows[id(seq)]):
                     if not f.finished:
@@ -366,12 +369,12 @@ class _Run:
         n = len(group)
         keys = torch.tensor([s.key for s in group], dtype=torch.int64, device=self.device)
         tokens, logprobs = sample_tokens(logits.expand(n, -1), self.params, keys, torch.zeros_like(keys))
-        kept = int(self.cache.fill_host[0, rows[0]])  # the first token's logits saw the whole prefilled prompt
+        fill = self.cache.fill_host[:, rows[0]]  # the first token's logits saw the whole prefilled prompt
         for seq, row, token, logprob in zip(group, rows, tokens.tolist(), logprobs.tolist()):
             self._append(seq, token, logprob)
             self.issued[row] = 1
             self.limit[row] = min(self.params.max_new_tokens, self.context - len(seq.prompt))
-            self.kept_log[row, 0] = kept
+            self.kept_log[row, 0], self.peak_log[row, 0] = fill.sum(), fill.max()
             self.state.set_row(row, token, len(seq.prompt), seq.key, 1)
 
     # ---- decode ----
@@ -389,7 +392,8 @@ class _Run:
             cache.advance_host(bucket)
             live = self.issued[:n] < self.limit[:n]
             rows = np.flatnonzero(live)
-            self.kept_log[rows, self.issued[rows]] = cache.fill_host[0, rows]
+            self.kept_log[rows, self.issued[rows]] = cache.fill_host[:, rows].sum(axis=0)
+            self.peak_log[rows, self.issued[rows]] = cache.fill_host[:, rows].max(axis=0)
             self.issued[:n] += live
             self.stats.forwards += 1
             if self.engine.kv_trace is not None:
@@ -407,36 +411,35 @@ class _Run:
         host knows has ended are left alone; one that ended unseen still compresses (its record drops it)."""
         if not self.kv.enabled:
             return
-        fill = self.cache.fill_host[0, :n]
-        due = np.flatnonzero((fill >= self.kv.budget + self.kv.buffer) & (self.issued[:n] < self.limit[:n]))
+        fullest = self.cache.fill_host[:, :n].max(axis=0)
+        due = np.flatnonzero((fullest >= self.trigger) & (self.issued[:n] < self.limit[:n]))
         if len(due):
             self._compress_rows(due.tolist(), [[self.running[r]] for r in due])
 
     def _compress_rows(self, rows: list[int], owners: list[list[Sequence]]) -> None:
-        """Compress `rows` (all holding the same number of slots in each layer) to the budget, in one batched
-        gather; owners[i] are the sequences that record the compression of rows[i]."""
+        """Compress `rows` to their layer budgets in one batched call per layer (scores, top-k, gather): the rows must
+        hold the same number of slots in each layer (rows that compress together do: they reached the trigger
+        together, or it is one prefilled prompt). owners[i] are the sequences that record the compression of rows[i]."""
         cache = self.cache
-        rows_t = torch.tensor(rows, device=self.device)
-        n_layers = cache.num_layers
-        sizes = [int(cache.fill_host[layer, rows[0]]) for layer in range(n_layers)]
+        index = _device_index(rows, self.device)
         m = min(self.kv.window, int(cache.seen_host[rows].min()))
-        keys = [cache.layer_keys(rows_t, layer, sizes[layer]) for layer in range(n_layers)]
-        queries = [cache.window_queries(rows_t, layer, m) for layer in range(n_layers)]
-        mass = [cache.layer_mass(rows_t, layer, sizes[layer]) for layer in range(n_layers)]
-        kept_rows = [
-            compress_indices(self.kv, [k[i] for k in keys], [q[i] for q in queries],
-                             attn_mass=[None if x is None else x[i] for x in mass], budget=self.kv.budget)
-            for i in range(len(rows))
-        ]
-        kept = [torch.stack([per_row[layer] for per_row in kept_rows]) for layer in range(n_layers)]  # [R', Hkv, B]
-        cache.compact(rows_t, rows, kept)
-        # the eviction record: what every owner's later tokens can see (a host copy that does not wait)
-        held = _to_host(torch.stack([cache.positions[layer][rows_t, :, : kept[layer].shape[-1]]
-                                     for layer in range(n_layers)], dim=1))  # [R', L, Hkv, B]
-        for i, seqs in enumerate(owners):
-            start = len(seqs[0].prompt) + int(self.issued[rows[i]]) - 1 if self.issued[rows[i]] else seqs[0].processed
+        sizes = [int(cache.fill_host[layer, rows[0]]) for layer in range(cache.num_layers)]
+        kept = compress_indices(
+            self.kv,
+            [cache.layer_keys(index, layer, n) for layer, n in enumerate(sizes)],
+            [cache.window_queries(index, layer, m) for layer in range(cache.num_layers)],
+            attn_mass=[cache.layer_mass(index, layer, n) for layer, n in enumerate(sizes)] if cache.tracks_mass else None,
+            budget=self.budgets,
+        )  # per layer [R', Hkv, B_l]
+        cache.compact(index, rows, kept)
+        # the eviction record: what every owner's later tokens can see (host copies that do not wait)
+        held = [_to_host(cache.positions[layer][index, :, : k.shape[-1]]) for layer, k in enumerate(kept)]
+        for i, (row, seqs) in enumerate(zip(rows, owners)):
+            # tokens run before it: while prefilling, the prompt tokens so far; after, all but the last sampled one
+            start = len(seqs[0].prompt) + int(self.issued[row]) - 1 if self.issued[row] else seqs[0].processed
+            event = [h[i] for h in held]
             for seq in seqs:
-                seq.evictions.append((start, held[i]))
+                seq.evictions.append((start, event))
         self.stats.compressions += len(rows)
 
     def _queue_readback(self, n: int, steps: int) -> "_Readback":
@@ -469,7 +472,9 @@ class _Run:
     def _trace(self, row: int, seqs: list[Sequence], positions) -> None:
         if self.engine.kv_trace is None:
             return
-        held = torch.stack(self.cache.held_positions(row)).cpu()
+        per_layer = [h.cpu() for h in self.cache.held_positions(row)]
+        # [L, Hkv, n] when every layer holds n slots; per-layer budgets: one [Hkv, n_l] per layer
+        held = torch.stack(per_layer) if len({h.shape[-1] for h in per_layer}) == 1 else per_layer
         for seq in seqs:
             self.engine.kv_trace(KVTraceRecord(seq.index, list(positions), held))
 
@@ -479,8 +484,9 @@ class _Run:
             seq = self.running[row]
             if not seq.finished:
                 continue
-            kept = self.kept_log[row, : len(seq.response)].tolist()
-            outputs[seq.index] = seq.output(self.engine.weight_version, kept)
+            n = len(seq.response)
+            outputs[seq.index] = seq.output(self.engine.weight_version, self.kept_log[row, :n].tolist(),
+                                            self.peak_log[row, :n].tolist(), self.cache.num_layers)
             last = len(self.running) - 1
             if row != last:
                 self._move_row(last, row)
@@ -491,7 +497,7 @@ class _Run:
     def _move_row(self, src: int, dst: int) -> None:
         self.cache.copy_row(src, dst)
         self.state.copy_row(src, dst)
-        for host in (self.issued, self.limit, self.kept_log):
+        for host in (self.issued, self.limit, self.kept_log, self.peak_log):
             host[dst] = host[src]
 
 
@@ -503,6 +509,13 @@ class _Readback:
     tokens: Tensor  # [n, steps]
     logprobs: Tensor
     event: "torch.cuda.Event | None"
+
+
+def _device_index(rows: list[int], device: torch.device) -> Tensor:
+    """Row numbers as an index tensor on `device`, copied without waiting for the device (pinned memory on CUDA:
+    a copy from pageable memory would first wait for every queued kernel)."""
+    index = torch.tensor(rows, dtype=torch.int64)
+    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index
 
 
 def _to_host(t: Tensor) -> Tensor:

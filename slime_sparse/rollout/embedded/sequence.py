@@ -19,9 +19,9 @@ class Sequence:
     processed: int = 0  # prompt tokens already run through the model (their keys are, or were, in the cache)
     finish_reason: str | None = None
     prefill_peak: int = 0  # most slots its cache held while the prompt was prefilled
-    # (tokens processed before the compression, kept positions [L, Hkv, B]) in order; the decode loop learns that a
-    # sequence ended a few steps late, so compressions after its end may trail here (`output` drops them)
-    evictions: list[tuple[int, Tensor]] = field(default_factory=list)
+    # (tokens processed before the compression, kept positions: one [Hkv, B_l] per layer) in order; the decode loop
+    # learns that a sequence ended a few steps late, so compressions after its end may trail here (`output` drops them)
+    evictions: list[tuple[int, list[Tensor]]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -39,16 +39,17 @@ class Sequence:
         self.response.append(token)
         self.logprobs.append(logprob)
 
-    def output(self, weight_version: int, kept_per_token: list[int]) -> GenerationOutput:
-        """kept_per_token[t]: slots the cache held when response token t was sampled (its logits' context)."""
+    def output(self, weight_version: int, kept: list[int], peak: list[int], num_layers: int) -> GenerationOutput:
+        """kept[t] / peak[t]: slots summed over the layers / in the fullest layer when response token t was sampled
+        (its logits' context). KV stats count slots per layer: the layer mean (exact under one budget)."""
         p, n = len(self.prompt), len(self.response)
         # a compression counts if a later token ran after it: it happened after start tokens were run, and the
         # last token the sequence ran is its (length - 2)-th
-        events = [(start, kept) for start, kept in self.evictions if start < self.length - 1]
+        events = [(start, held) for start, held in self.evictions if start < self.length - 1]
         kv = KVStats(
             dense_kv_tokens=n * p + n * (n - 1) // 2,  # token t was sampled from p + t tokens of context
-            kept_kv_tokens=int(sum(kept_per_token)),
-            peak_kv_tokens=max([self.prefill_peak, *kept_per_token]),
+            kept_kv_tokens=round(sum(kept) / num_layers),
+            peak_kv_tokens=max([self.prefill_peak, *peak]),
             compressions=len(events),
         )
         return GenerationOutput(
