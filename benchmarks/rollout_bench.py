@@ -69,9 +69,10 @@ PRESETS: dict[str, tuple[str, dict]] = {
 # Each suite fits the time budget written next to it on an idle 2-core machine (1 thread, fp32).
 SUITES: dict[str, list[str]] = {
     "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
-    # one H100 / H200, bf16 (tools/gpu_checks.sh): the targets of #28 at batch 64, then batch 256
-    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:1024", "qwen2.5-1.5b:64:128:4096",
-            "qwen2.5-1.5b:256:128:1024"],
+    # one H100 / H200, bf16 (tools/gpu_checks.sh, with --hf-max-new 128): the targets of #28 at batch 64 first,
+    # then batch 256; each row prints as it completes, so a time limit still leaves the first ones
+    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024",
+            "qwen2.5-1.5b:256:128:128", "qwen2.5-1.5b:256:128:1024", "qwen2.5-1.5b:256:128:4096"],
     "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
     "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
              "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],

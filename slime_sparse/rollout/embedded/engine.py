@@ -4,14 +4,22 @@ How a generate() call runs (nano-vllm's scheduler shape, without pages):
 - one BudgetKVCache with max_batch_size rows is allocated for the call; running sequences always occupy
   rows [0, n_running), so every decode step reads plain views of the cache;
 - continuous batching: whenever a sequence finishes, the last running row moves into its place and the
-  next waiting prompt is admitted at the end, then prefilled (chunked when the cache bound demands it);
-- each step runs the HF model once with explicit position_ids (the logical index of every token, so RoPE
-  is never re-applied to kept keys), a 4D mask over cache slots and our cache as past_key_values;
-- after the step each sequence that hit its trigger is compressed on its own (slime_sparse.kv.schedule).
+  next waiting prompt is admitted at the end, then prefilled (eagerly; chunked when the cache bound demands it);
+- decoding runs in windows of `readback_interval` steps. A step (step.py) has fixed shapes and never waits for
+  the device: rows padded to a few batch sizes, every per-row quantity (token, position, fill, random stream
+  counter) in device tensors updated in place, so it can be replayed from a CUDA graph. The host follows every
+  row's fill in numpy mirrors (admission, steps and compressions are its own decisions), so it knows when a row
+  reaches its trigger without reading the device; it learns which sequences sampled a stop token when a window's
+  tokens arrive (a copy that does not wait; on CUDA the previous window is handed out while this one runs);
+- between steps, every row that reached its trigger is compressed in one batched call per layer (scores,
+  top-k, gather: slime_sparse.kv); rows that reached it together compress together.
 
-KV bound. Compression on: a row holds at most budget + buffer slots at any time, during prefill too
-(prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a
-budget above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
+KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
+too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
+above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
+
+Random streams: sample i of a call seeded `seed` draws its t-th token from counter_uniform(derive_seed(seed, i), t),
+so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
 """
 from __future__ import annotations
 
@@ -239,7 +247,7 @@ class _Run:
         self.trigger = trigger(kv)  # the fullest layer's slots at which a row compresses (kv/schedule.py)
         self.capacity = row_capacity(self.kv, longest)  # every layer holds that many before the first compression
         rows = min(engine.max_batch_size, len(sequences))
-        self.cache = self._allocate(rows, [self.capacity] * n_layers)
+        self.cache = self._allocate(rows)
         self.stats = engine.last_stats = GenerateStats(kv_cache_bytes=self.cache.kv_bytes)
         # Tracing reads the cache after every forward, so it decodes step by step.
         tracing = engine.kv_trace is not None
@@ -257,7 +265,7 @@ class _Run:
         self.peak_log = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
         self.pending: deque[_Readback] = deque()
 
-    def _allocate(self, rows: int, capacities: list[int]) -> BudgetKVCache:
+    def _allocate(self, rows: int) -> BudgetKVCache:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return BudgetKVCache(
@@ -265,7 +273,7 @@ class _Run:
             num_kv_heads=cfg.num_key_value_heads,
             num_q_heads=cfg.num_attention_heads,
             head_dim=head_dim,
-            capacities=capacities,
+            capacities=[self.capacity] * cfg.num_hidden_layers,
             window=self.kv.window,
             record_queries=self.kv.enabled,
             track_mass=self.kv.traits.tracks_mass,

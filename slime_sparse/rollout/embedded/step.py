@@ -116,7 +116,8 @@ class DecodeStep:
             self.run(n, spans)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA work of other threads (a weight-sync or logging thread) must not void the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self.run(n, spans)
         self._pool = self._pool or graph.pool()  # one memory pool for every shape: steps never overlap
         self._graphs[(n, spans)] = graph
