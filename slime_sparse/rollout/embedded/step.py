@@ -70,7 +70,7 @@ class DecodeStep:
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
         self.cache, self.state, self.params, self.logits = cache, state, params, logits
         self.mode = mode
-        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=False) if mode == "compile" else None
+        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=None) if mode == "compile" else None
         self._graphs: dict[tuple[int, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
         self._pool = None
         self.captures = 0
