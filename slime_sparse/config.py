@@ -29,6 +29,7 @@ from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig
 from slime_sparse.utils.checkpoint import STATE_FILE
+from slime_sparse.utils.lm_head import FP32_LM_HEAD_HELP
 
 TRAIN_BACKENDS = ("embedded", "megatron")
 ROLLOUT_ENGINES = ("embedded", "sglang")
@@ -157,6 +158,7 @@ class TrainConfig:
         "(Megatron's default 0.999); 0.98 here, the paper's and slime's scripts'")})
     clip_grad: float = field(default=1.0, metadata={"help": "gradient-norm clip, 0: none"})
     bf16: bool = field(default=False, metadata={"help": "bf16 weights and compute on the learner (fp32 otherwise)"})
+    enable_fp32_lm_head: bool = field(default=False, metadata={"help": FP32_LM_HEAD_HELP})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available) | cpu | cuda"})
     seed: int = field(default=42, metadata={"help": (
         "seed of initialisation, sampling and data order (slime's default 1234); 42 here, the seed of the results "

@@ -19,7 +19,7 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.config import RunConfig, TrainConfig
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.rollout.sglang.config import SGLangEngineConfig
+from slime_sparse.rollout.sglang.config import SGLangEngineConfig, sglang_lm_head_args
 from slime_sparse.utils.device import dist_backend, resolve_device
 
 
@@ -82,13 +82,13 @@ def build_learner(spec: LearnerSpec):
         return build_megatron_learner(
             train.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=train.seed,
             batching=spec.batching, temperature=spec.temperature,
-            params_dtype=torch.bfloat16 if train.bf16 else torch.float32,
+            params_dtype=torch.bfloat16 if train.bf16 else torch.float32, fp32_lm_head=train.enable_fp32_lm_head,
         )
     from slime_sparse.backends.embedded.learner import EmbeddedLearner
 
     model = load_model(train.hf_checkpoint, device=resolve_device(train.device), bf16=train.bf16)
     return EmbeddedLearner(model, spec.loss, optim=spec.optim, batching=spec.batching, temperature=spec.temperature,
-                           need_ref=spec.loss.needs_ref)
+                           need_ref=spec.loss.needs_ref, fp32_lm_head=train.enable_fp32_lm_head)
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,7 @@ class EngineSpec:
     model_dir: str  # --hf-checkpoint
     device: str  # --device
     bf16: bool
+    fp32_lm_head: bool  # --enable-fp32-lm-head: the learner's head arithmetic (SGLang servers get the flag)
     max_batch_size: int  # sequences decoded at once (embedded)
     cuda_graph: bool  # decode steps in CUDA graphs on a CUDA device (embedded)
     max_prompt_len: int | None  # longer prompts are an error (embedded)
@@ -112,9 +113,12 @@ class EngineSpec:
         model_dir = _absolute(cfg.train.hf_checkpoint)
         return cls(
             kind=cfg.rollout.engine, kv=cfg.kv, model_dir=model_dir, device=cfg.train.device, bf16=cfg.train.bf16,
+            fp32_lm_head=cfg.train.enable_fp32_lm_head,
             max_batch_size=cfg.rollout.max_batch_size, cuda_graph=cfg.rollout.cuda_graph,
             max_prompt_len=cfg.data.max_prompt_len,
-            sglang=dataclasses.replace(cfg.sglang, model_path=model_dir),
+            sglang=dataclasses.replace(
+                cfg.sglang, model_path=model_dir,
+                extra_args=cfg.sglang.extra_args + sglang_lm_head_args(cfg.train.enable_fp32_lm_head)),
             weight_bucket_bytes=cfg.cluster.update_weight_buffer_size,
             log_dir=os.path.join(_absolute(cfg.log.run_dir), "sglang_logs"),
         )
@@ -129,7 +133,8 @@ def build_engine(spec: EngineSpec):
     device = resolve_device(spec.device)
     model = load_model(spec.model_dir, device=device, bf16=spec.bf16)
     return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
-                          max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager")
+                          max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager",
+                          fp32_lm_head=spec.fp32_lm_head)
 
 
 def _sglang_engine(spec: EngineSpec):

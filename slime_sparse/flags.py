@@ -82,6 +82,11 @@ SPELLINGS: dict[str, dict] = {
         "type": float, "sets": {"correction.is_lower": ARG}, "needs": "--use-tis",
         "help": "lower clip of the TIS weight (slime's default 0): the same as --correction-is-lower",
     },
+    "--sglang-enable-fp32-lm-head": {
+        # slime passes it to SGLang alone, leaving its learner's head in bf16: here both sides follow one flag
+        "sets": {"train.enable_fp32_lm_head": True},
+        "help": "SGLang's flag as slime users pass it: the same as --enable-fp32-lm-head (servers and learner alike)",
+    },
     "--calculate-per-token-loss": {
         "sets": {"loss.loss_agg_mode": "token-mean"},
         "help": "slime's per-token loss (every token of the global batch weighs the same): the same as "

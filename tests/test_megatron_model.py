@@ -73,7 +73,31 @@ def _model_worker(rank: int, world_size: int, dirs: dict, batch: dict) -> dict:
                 "entropy": ent,
                 "export": dict(export_hf_weights(model, spec)),
             }
+        out[("fp32_head", tp)] = _bf16_output_layer(dirs["llama"], batch["input_ids"])
         ps.destroy_model_parallel()
+    return out
+
+
+def _bf16_output_layer(path: str, input_ids: torch.Tensor) -> dict:
+    """A bf16 Llama (untied head), with and without --enable-fp32-lm-head: this rank's logits, what the output layer
+    saw, and the head weight's gradient of logits.sum() (every row = the sum of the hidden states it saw)."""
+    from slime_sparse.backends.megatron.hf_io import HFWeights, load_hf_weights
+    from slime_sparse.backends.megatron.logprobs import forward_logits
+    from slime_sparse.backends.megatron.model_config import ModelSpec, build_gpt_model
+
+    spec = ModelSpec.from_hf_dir(path)
+    out = {}
+    for fp32 in (False, True):
+        model = build_gpt_model(spec, params_dtype=torch.bfloat16, fp32_lm_head=fp32)
+        load_hf_weights(model, spec, HFWeights(path))
+        seen = {}
+        hook = model.output_layer.register_forward_hook(lambda m, args, res: seen.update(hidden=args[0].detach()))
+        logits = forward_logits(model, input_ids)
+        hook.remove()
+        logits.sum().backward()
+        weight = model.output_layer.weight
+        out[fp32] = {"logits": logits.detach(), "hidden": seen["hidden"], "weight": weight.detach().clone(),
+                     "grad": weight.grad.clone()}
     return out
 
 
@@ -136,6 +160,8 @@ def test_tensor_parallel_marks_match_mapping(results):
     per_rank, _ = results
     for rank_out in per_rank:
         for key, result in rank_out.items():
+            if key[0] == "fp32_head":
+                continue
             for name, (marked, sharded) in result["tp_marks"].items():
                 assert marked == sharded, (key, name)
 
@@ -143,5 +169,33 @@ def test_tensor_parallel_marks_match_mapping(results):
 def test_tp2_ranks_agree(results):
     per_rank, _ = results
     for key in per_rank[0]:
-        assert torch.equal(per_rank[0][key]["logp"], per_rank[1][key]["logp"]), key
+        if key[0] != "fp32_head":
+            assert torch.equal(per_rank[0][key]["logp"], per_rank[1][key]["logp"]), key
 
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp32_lm_head_makes_the_output_layer_an_fp32_gemm(results, tp):
+    """--enable-fp32-lm-head in the Megatron learner: the vocab-parallel output layer of a bf16 model computes
+    hidden.float() @ W.float()^T (utils.lm_head.lm_head_logits), not bf16 logits; its weight still gets a bf16
+    gradient through the cast (every row of d logits.sum() / dW is the sum of the hidden states)."""
+    per_rank, _ = results
+    for rank_out in per_rank:
+        got = rank_out[("fp32_head", tp)]
+        for fp32, res in got.items():
+            exact = torch.einsum("sbh,vh->bsv", res["hidden"].float(), res["weight"].float())
+            logits = res["logits"]
+            assert logits.shape == exact.shape
+            if fp32:
+                assert logits.dtype == torch.float32
+                torch.testing.assert_close(logits, exact, rtol=1e-6, atol=1e-6)
+                real = res["weight"].abs().sum(1) > 0  # at TP=2 rank 1 holds only padded vocabulary rows (zeros)
+                if real.any():
+                    assert not torch.equal(logits[..., real], logits[..., real].bfloat16().float())  # not bf16-rounded
+            else:  # Megatron's own bf16 GEMM (the learner casts to fp32 before its log-softmax)
+                assert logits.dtype == torch.bfloat16
+                torch.testing.assert_close(logits.float(), exact, rtol=1e-2, atol=1e-2)
+            grad = res["grad"]
+            assert grad.dtype == torch.bfloat16
+            row = res["hidden"].float().sum((0, 1))
+            torch.testing.assert_close(grad.float(), row.expand_as(grad), rtol=2e-2, atol=1e-2)

@@ -4,10 +4,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.kv.record import EvictionRecord
+from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits, tempered_log_softmax
 
 
 def pad_right(rows: list[list[int]] | list[torch.Tensor], pad: float | int = 0, dtype=None, device=None) -> torch.Tensor:
@@ -32,6 +32,7 @@ def response_log_softmax(
     *,
     temperature: float = 1.0,
     shadow: list[EvictionRecord | None] | None = None,
+    fp32_lm_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-softmax [B, R, V] float of the tempered next-token distribution at each response token, the
     response tokens [B, R]); R = max response length, rows right-padded (padding rows hold finite junk).
@@ -40,6 +41,8 @@ def response_log_softmax(
     Logits are divided by `temperature` (the sampler's), like slime's learner, so that the ratio
     pi_old / pi_sparse compares the same distribution. `shadow`: one eviction record per row (None = dense
     row): the forward then attends as the sampler's compressed cache did (`shadow_attention`).
+    The LM head runs on the response positions only (`utils.lm_head`: the sampler's formula, fp32 with
+    `fp32_lm_head`), so no [B, S, V] logits of the prompt are ever made.
     """
     device = next(model.parameters()).device
     input_ids = pad_right(tokens, device=device)
@@ -47,20 +50,22 @@ def response_log_softmax(
     length_t = torch.tensor(lengths, device=device)
     attn = (torch.arange(input_ids.shape[1], device=device)[None, :] < length_t[:, None]).long()
     if shadow is None:
-        logits = model(input_ids=input_ids, attention_mask=attn, use_cache=False).logits
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False).last_hidden_state
     else:
         from slime_sparse.backends.shadow_attention import shadow_forward  # transformers only when used
 
         with shadow_forward(model, shadow, lengths) as kwargs:
-            logits = model(input_ids=input_ids, attention_mask=attn, use_cache=False, **kwargs).logits
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attn, use_cache=False,
+                                      **kwargs).last_hidden_state
     width = max(response_lens)
     # logits at position p predict token p + 1: the response tokens [L - r, L) are predicted from [L - r - 1, L - 1)
     starts = length_t - torch.tensor(response_lens, device=device) - 1
     offs = torch.arange(width, device=device)
     pos = (starts[:, None] + offs[None, :]).clamp(min=0, max=input_ids.shape[1] - 1)
     tgt_pos = (pos + 1).clamp(max=input_ids.shape[1] - 1)
-    picked = torch.gather(logits, 1, pos[:, :, None].expand(-1, -1, logits.shape[-1])).float() / temperature
-    return F.log_softmax(picked, dim=-1), torch.gather(input_ids, 1, tgt_pos)
+    picked = torch.gather(hidden, 1, pos[:, :, None].expand(-1, -1, hidden.shape[-1]))
+    logits = lm_head_logits(picked, hf_head_weight(model), fp32=fp32_lm_head)
+    return tempered_log_softmax(logits, temperature), torch.gather(input_ids, 1, tgt_pos)
 
 
 def response_logprobs(
@@ -71,10 +76,12 @@ def response_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     shadow: list[EvictionRecord | None] | None = None,
+    fp32_lm_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] (right-padded with 0) of each response token, and their entropy when asked; see
     `response_log_softmax`."""
-    logp_all, targets = response_log_softmax(model, tokens, response_lens, temperature=temperature, shadow=shadow)
+    logp_all, targets = response_log_softmax(model, tokens, response_lens, temperature=temperature, shadow=shadow,
+                                             fp32_lm_head=fp32_lm_head)
     return picked_logprobs(logp_all, targets, response_lens, with_entropy=with_entropy)
 
 

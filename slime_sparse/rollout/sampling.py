@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from slime_sparse.utils.lm_head import tempered_log_softmax
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -87,11 +89,9 @@ def apply_top_p(logits: Tensor, top_p: float) -> Tensor:
 
 
 def sampler_logprobs(logits: Tensor, temperature: float) -> Tensor:
-    """Full log-distribution the sampler records: log_softmax(logits / T) (untempered for T = 0), float32."""
-    logits = logits.float()
-    if temperature > 0.0:
-        logits = logits / temperature
-    return torch.log_softmax(logits, dim=-1)
+    """Full log-distribution the sampler records: log_softmax(logits / T) (untempered for T = 0), float32; the
+    learners' formula (`utils.lm_head.tempered_log_softmax`)."""
+    return tempered_log_softmax(logits, temperature)
 
 
 def truncated_logits(logits: Tensor, params: SamplingParams) -> Tensor:

@@ -38,12 +38,14 @@ class EmbeddedLearner:
         batching: MicroBatching = MicroBatching(),
         temperature: float = 1.0,
         need_ref: bool = False,
+        fp32_lm_head: bool = False,
     ):
         self.model = model
         self.loss_cfg = loss_cfg
         self.optim = optim
         self.batching = batching
         self.temperature = temperature
+        self.fp32_lm_head = fp32_lm_head  # --enable-fp32-lm-head: the sampler's head arithmetic (utils.lm_head)
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
@@ -62,7 +64,8 @@ class EmbeddedLearner:
         model = self.ref_model if ref else self.model
         return recompute_logprobs(
             model, tokens, response_lens, self.batching,
-            lambda m, t, r, s=None: response_logprobs(m, t, r, temperature=self.temperature, shadow=s)[0], shadow)
+            lambda m, t, r, s=None: response_logprobs(m, t, r, temperature=self.temperature, shadow=s,
+                                                      fp32_lm_head=self.fp32_lm_head)[0], shadow)
 
     # ---- update ----------------------------------------------------------------------------
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -92,13 +95,15 @@ class EmbeddedLearner:
     def _microbatch_loss(self, mb: TrainBatch, num_seqs: float, num_tokens: float) -> tuple[torch.Tensor, dict]:
         """sparse_rl: one dense forward. shadow: one shadow forward (the PPO term's policy). smd: both, the dense
         one for the distillation KL(pi_dense || stopgrad(pi_shadow)) at every response token."""
-        cfg, temp = self.loss_cfg, self.temperature
+        cfg, temp, fp32 = self.loss_cfg, self.temperature, self.fp32_lm_head
         shadow = mb.evictions if cfg.trains_shadow else None
-        logp_all, targets = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp, shadow=shadow)
+        logp_all, targets = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp,
+                                                 shadow=shadow, fp32_lm_head=fp32)
         logp, entropy = picked_logprobs(logp_all, targets, mb.response_lens, with_entropy=cfg.entropy_coef != 0)
         distill_kl = None
         if cfg.distills:
-            dense_all, _ = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp)
+            dense_all, _ = response_log_softmax(self.model, mb.tokens, mb.response_lens, temperature=temp,
+                                                fp32_lm_head=fp32)
             distill_kl = categorical_kl(dense_all, logp_all.detach()) * response_mask(mb.response_lens, logp.device)
         return microbatch_loss(logp, entropy, mb, cfg, num_seqs, num_tokens, distill_kl)
 

@@ -63,6 +63,7 @@ class MegatronLearner:
         temperature: float = 1.0,
         need_ref: bool = False,
         params_dtype: torch.dtype = torch.float32,
+        fp32_lm_head: bool = False,
     ):
         megatron.validate()
         if hf_dir is None and not megatron.load:
@@ -78,6 +79,7 @@ class MegatronLearner:
         self.temperature = temperature
         self.hf_dir = hf_dir
         self.params_dtype = params_dtype
+        self.fp32_lm_head = fp32_lm_head  # --enable-fp32-lm-head: the sampler's head arithmetic (utils.lm_head)
         self.step = 0
         self.owns_process_group = False  # set by build_megatron_learner when it initialised torch.distributed
 
@@ -100,6 +102,7 @@ class MegatronLearner:
             sequence_parallel=self.megatron.sequence_parallel,
             vocab_divisible_by=self.megatron.vocab_divisible_by,
             recompute_activations=self.megatron.recompute_activations,
+            fp32_lm_head=self.fp32_lm_head,
         )
         if self.megatron.load:
             ckpt.load_model(model, self.megatron.load)
@@ -312,7 +315,7 @@ def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> N
 
 def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: MegatronConfig, optim: OptimConfig, *,
                            seed: int = 0, batching: MicroBatching = MicroBatching(), temperature: float = 1.0,
-                           params_dtype: torch.dtype = torch.float32) -> MegatronLearner:
+                           params_dtype: torch.dtype = torch.float32, fp32_lm_head: bool = False) -> MegatronLearner:
     """The learner with its weights from `hf_dir` (else `megatron.load`), a frozen reference copy when the loss
     has a KL term, and Megatron's process groups, initialised here unless the caller (a launcher, Ray) did."""
     from .parallel import ParallelConfig, init_parallel
@@ -321,6 +324,7 @@ def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: M
         ParallelConfig(megatron.tensor_model_parallel_size, megatron.pipeline_model_parallel_size), seed=seed)
     hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
     learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, batching=batching,
-                              temperature=temperature, need_ref=loss_cfg.needs_ref, params_dtype=params_dtype)
+                              temperature=temperature, need_ref=loss_cfg.needs_ref, params_dtype=params_dtype,
+                              fp32_lm_head=fp32_lm_head)
     learner.owns_process_group = owns_process_group
     return learner

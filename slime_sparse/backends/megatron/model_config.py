@@ -14,6 +14,10 @@ from typing import Any
 
 import torch
 
+from slime_sparse.utils.lm_head import lm_head_logits
+
+from .kernels import KernelChoice, kernel_choice
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 # Megatron's llama3 RoPE scaling hard-codes these (rotary_pos_embedding._apply_scaling).
 _MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -117,17 +121,6 @@ def padded_vocab_size(vocab_size: int, tp_size: int, divisible_by: int = 128) ->
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def te_available() -> bool:
-    """Transformer Engine importable *and* a GPU to run it on."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # TE raises various errors when its CUDA libs are missing
-        return False
-    return True
-
-
 def transformer_config(
     spec: ModelSpec,
     *,
@@ -136,16 +129,18 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
     recompute_activations: bool = False,
+    kernels: KernelChoice | None = None,
 ):
     """The TransformerConfig that reproduces the HF forward. Dropout is 0 (RL fine-tuning recomputes
-    log-probs that must match the sampler's), fusions that need CUDA kernels are off on CPU."""
+    log-probs that must match the sampler's); each fusion is on only where its kernel imports (`kernels`,
+    default: this process's `kernel_choice()`)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if spec.num_kv_heads % tp_size:
         raise ValueError(f"--tensor-model-parallel-size={tp_size} must divide num_key_value_heads={spec.num_kv_heads}")
     if spec.num_layers % pp_size:
         raise ValueError(f"--pipeline-model-parallel-size={pp_size} must divide num_hidden_layers={spec.num_layers}")
-    on_gpu = torch.cuda.is_available()
+    kernels = kernel_choice() if kernels is None else kernels
     config = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -168,13 +163,10 @@ def transformer_config(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         pipeline_dtype=params_dtype,
-        use_cpu_initialization=not on_gpu,
+        use_cpu_initialization=not torch.cuda.is_available(),
         perform_initialization=True,
-        bias_dropout_fusion=on_gpu,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **kernels.fusion_flags(),
+        persist_layer_norm=False,  # Apex's persistent LayerNorm kernel: our models use RMSNorm
         recompute_granularity="selective" if recompute_activations else None,
     )
     # Micro-batches are padded to their own longest row, so pipeline stages exchange shapes first. Set after
@@ -184,10 +176,11 @@ def transformer_config(
 
 
 def layer_spec(spec: ModelSpec, use_te: bool | None = None):
-    """Transformer Engine spec when TE is importable on a GPU, megatron-core's local spec otherwise."""
+    """Transformer Engine spec when TE is importable on a GPU (`kernel_choice()`), megatron-core's local spec
+    otherwise; `use_te` (--megatron's use_te) overrides."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    use_te = te_available() if use_te is None else use_te
+    use_te = kernel_choice().transformer_engine if use_te is None else use_te
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -201,8 +194,10 @@ def build_gpt_model(
     sequence_parallel: bool = False,
     vocab_divisible_by: int = 128,
     recompute_activations: bool = False,
+    fp32_lm_head: bool = False,
 ):
     """Build this rank's GPTModel stage (parallel state initialised; CPU shim applied when no CUDA).
+    `fp32_lm_head`: the output layer computes its logits in fp32 (`fp32_output_layer`).
 
     Weights are randomly initialised even when they are loaded right after: megatron-core only marks
     parameters as tensor-parallel (`tensor_model_parallel`, read by grad-norm clipping and the
@@ -236,6 +231,23 @@ def build_gpt_model(
         rope_scaling=spec.rope_scaling_factor is not None,
         rope_scaling_factor=spec.rope_scaling_factor or 8.0,
     )
+    if fp32_lm_head and model.post_process:
+        fp32_output_layer(model.output_layer)
     if torch.cuda.is_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def fp32_output_layer(output_layer) -> None:
+    """Run Megatron's vocab-parallel output layer through `utils.lm_head.lm_head_logits(fp32=True)`: fp32 copies
+    of the hidden states and of this rank's weight shard go through the layer's own linear (TP communication
+    included), so the logits are the sampler's fp32 head. Gradient-accumulation fusion is off for this layer: it
+    writes into `weight.main_grad`, which the fp32 copy does not have (the gradient reaches the bf16 parameter
+    through the cast, and Megatron's DDP hook from there)."""
+    project = output_layer._forward_impl
+
+    def forward_impl(input, weight, *args, **kwargs):
+        kwargs["gradient_accumulation_fusion"] = False
+        return lm_head_logits(input, weight, fp32=True, linear=lambda h, w: project(h, w, *args, **kwargs))
+
+    output_layer._forward_impl = forward_impl

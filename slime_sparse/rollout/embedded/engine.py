@@ -37,6 +37,7 @@ from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_tokens
 from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.faults import fault_point
+from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
 from .attention import CACHE_KWARG, budget_attention_installed
 from .cache import BudgetKVCache
@@ -77,6 +78,7 @@ class EmbeddedEngine:
       wait: the host learns a sequence ended up to two windows late, and its row computes throwaway tokens until
       then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
       ever runs past its end).
+    fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
     """
 
     def __init__(
@@ -92,6 +94,7 @@ class EmbeddedEngine:
         kv_trace: Callable[[KVTraceRecord], None] | None = None,
         step_mode: str | None = None,
         readback_interval: int | None = None,
+        fp32_lm_head: bool = False,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
         self.kv.validate()
@@ -114,6 +117,8 @@ class EmbeddedEngine:
         self.readback_interval = readback_interval
         self.model = _load_model(model_or_path, self.device, dtype)
         _check_model(self.model)
+        self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
+        self.fp32_lm_head = fp32_lm_head
         self.max_batch_size = max_batch_size
         self.max_prompt_len = max_prompt_len
         self.on_long_prompt = on_long_prompt
@@ -282,8 +287,9 @@ class _Run:
         )
 
     def _logits(self, hidden: Tensor) -> Tensor:
-        """Next-token logits [n, V] float32 from the final hidden states [n, hidden]."""
-        return self.model.get_output_embeddings()(hidden).float()
+        """Next-token logits [n, V] float32 from the final hidden states [n, hidden]: the learners' head arithmetic
+        (`utils.lm_head`, fp32 with --enable-fp32-lm-head); no host sync, so it runs inside the captured step."""
+        return lm_head_logits(hidden, self.engine.head_weight, fp32=self.engine.fp32_lm_head)
 
     def run(self, outputs: list[GenerationOutput | None]) -> None:
         rows = self.cache.num_rows

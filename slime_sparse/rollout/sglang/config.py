@@ -79,6 +79,13 @@ class SGLangEngineConfig:
         return self.num_servers > 1 if self.use_router is None else self.use_router
 
 
+def sglang_lm_head_args(fp32: bool) -> tuple[str, ...]:
+    """Server flags that give SGLang's logits the learner's head arithmetic (`slime_sparse.utils.lm_head`): its
+    LogitsProcessor runs the head GEMM on fp32 operands with --enable-fp32-lm-head, in the model dtype otherwise,
+    and its sampler records log(softmax(logits / T)) in fp32 before top-k / top-p either way."""
+    return ("--enable-fp32-lm-head",) if fp32 else ()
+
+
 def split_passthrough(argv: list[str], ours: set[str]) -> tuple[list[str], list[str]]:
     """(argv without the pass-through flags, server flags): `--sglang-foo v` -> `--foo v` unless ours.
 
