@@ -3,6 +3,7 @@
 
     python examples/megatron/smoke_train.py              # tiny random Qwen2: 1x1 (+ 2x1 and 1x2 with 2 GPUs)
     python examples/megatron/smoke_train.py --hf-dir Qwen2.5-0.5B --layouts 1x1 2x1 1x2 --steps 5 --bf16
+    python examples/megatron/smoke_train.py --bf16 --enable-fp32-lm-head   # the output layer as an fp32 GEMM
 
 A layout "TxP" runs T x P processes (tensor x pipeline parallel, one replica). On GPUs it exercises
 Megatron's DDP, distributed optimizer and forward/backward schedules (NCCL, one process per GPU);
@@ -49,7 +50,13 @@ def worker(rank: int, world_size: int, hf_dir: str, args: argparse.Namespace, tp
         hf_config, loss_cfg, hf_dir=hf_dir, megatron=MegatronConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp),
         optim=OptimConfig(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.98)), batching=MicroBatching(args.max_tokens),
         temperature=1.0, need_ref=True, params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp32_lm_head=args.enable_fp32_lm_head,
     )
+    if rank == 0:
+        from slime_sparse.backends.megatron.kernels import kernel_choice
+
+        print(f"{name}: {kernel_choice().describe()}; LM head {'fp32' if args.enable_fp32_lm_head else 'model dtype'}",
+              flush=True)
     g = torch.Generator().manual_seed(args.seed)  # same data on every rank (one data-parallel group)
     vocab = int(hf_config["vocab_size"])
     for step in range(args.steps):
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=4096, help="micro-batch budget in padded tokens")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--enable-fp32-lm-head", action="store_true", help="the output layer in fp32 (utils.lm_head)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tiny-hidden", type=int, default=256)
     parser.add_argument("--tiny-layers", type=int, default=4)

@@ -54,7 +54,7 @@ class KernelChoice:
         spec = "Transformer Engine layer spec" if self.transformer_engine else "local layer spec (no Transformer Engine)"
         on = [k for k, v in self.fusion_flags().items() if v]
         off = [k for k, v in self.fusion_flags().items() if not v]
-        return f"{spec}; fusions on: {', '.join(on) or 'none'}; off (kernel not importable): {', '.join(off) or 'none'}"
+        return f"{spec}; fusions on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
 
 
 def _imports(name: str) -> bool:
@@ -90,6 +90,8 @@ def probe_kernels(on_gpu: bool) -> KernelChoice:
 @functools.lru_cache(maxsize=None)
 def kernel_choice() -> KernelChoice:
     """This process's choice (probed once, logged once)."""
-    choice = probe_kernels(torch.cuda.is_available())
-    logger.info("Megatron learner kernels: %s", choice.describe())
+    on_gpu = torch.cuda.is_available()
+    choice = probe_kernels(on_gpu)
+    why = "each fusion on only where its kernel imports" if on_gpu else "CPU: the fusions are CUDA kernels"
+    logger.info("Megatron learner kernels (%s): %s", why, choice.describe())
     return choice
