@@ -5,13 +5,14 @@ first forward (so a missing one crashes a run after minutes of start-up, not at 
 (PyTorch + Triton, no Apex, no Transformer Engine) has some of them and not others. The module each flag needs,
 read from megatron-core 0.16.1:
 
-| TransformerConfig flag          | needs                                                   | where megatron-core imports it |
-| ------------------------------- | ------------------------------------------------------- | ------------------------------ |
-| masked_softmax_fusion           | Apex's `scaled_upper_triang_masked_softmax_cuda` (causal) and `scaled_masked_softmax_cuda` (its shape check) | fusions/fused_softmax.py, inside forward |
-| bias_activation_fusion          | torch.compile (megatron.core.jit's jit_fuser) -> Triton on a GPU | fusions/fused_bias_swiglu.py |
-| bias_dropout_fusion             | the same                                                | fusions/fused_bias_dropout.py |
-| apply_rope_fusion               | Transformer Engine >= 1.4 (`rope_utils.fused_apply_rotary_pos_emb`) | TransformerConfig.__post_init__ |
-| gradient_accumulation_fusion    | Apex's `fused_weight_gradient_mlp_cuda` (also with TE: the output layer and embedding stay Megatron's ColumnParallelLinear, which refuses the flag without it) | tensor_parallel/layers.py |
+- masked_softmax_fusion: Apex's `scaled_upper_triang_masked_softmax_cuda` (the causal path) and
+  `scaled_masked_softmax_cuda` (its shape check), imported inside fusions/fused_softmax.py's forward;
+- bias_activation_fusion, bias_dropout_fusion: torch.compile (megatron.core.jit's jit_fuser), so Triton on a GPU
+  (fusions/fused_bias_swiglu.py, fused_bias_dropout.py);
+- apply_rope_fusion: Transformer Engine >= 1.4 (`rope_utils.fused_apply_rotary_pos_emb`, checked in
+  TransformerConfig.__post_init__);
+- gradient_accumulation_fusion: Apex's `fused_weight_gradient_mlp_cuda`, also with TE (the output layer and the
+  embedding stay Megatron's ColumnParallelLinear, which refuses the flag without it; tensor_parallel/layers.py);
 
 and Transformer Engine's layer spec when `transformer_engine` imports (with a GPU), megatron-core's local spec
 otherwise. On CPU every fusion is off (the kernels are CUDA-only; torch.compile on CPU would need a C++ toolchain

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""The one table of figures that ends tools/gpu_checks.sh: per step its status and time, then what it measured.
+
+    python tools/gpu_summary.py OUT     # OUT: what gpu_checks.sh wrote (steps.tsv, <step>.log, gpu_report.jsonl)
+
+Figures come from each step's own output: the exactness tests' JSON lines (gpu_report.jsonl), the Megatron smoke
+runs' step lines, the rollout benchmark's table rows, the environment step's import lines. Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def _read(path: Path) -> str:
+    return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
+
+def _status(rc: str, seconds: str, limit: str) -> str:
+    if rc == "skipped":
+        return "skipped"
+    if rc in ("124", "137"):
+        return f"TIMEOUT ({limit} s)"
+    return "ok" if rc == "0" else f"FAILED (exit {rc})"
+
+
+def env_figures(log: str) -> list[str]:
+    out = [line for line in log.splitlines() if line.startswith(("python ", "GPU "))]
+    imports = re.findall(r"^import (\S+) (yes|no)$", log, flags=re.M)
+    if imports:
+        out.append("imports: " + ", ".join(f"{name} {found}" for name, found in imports))
+    return out
+
+
+def pytest_figures(log: str, report: list[dict]) -> list[str]:
+    out = [line.strip("= ") for line in log.splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)][-1:]
+    out += [line for line in log.splitlines() if line.startswith(("FAILED ", "ERROR ", "SKIPPED "))]
+    for row in report:
+        check = row.pop("check")
+        out.append(f"{check}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in row.items()))
+    return out
+
+
+def megatron_figures(log: str) -> list[str]:
+    keep = ("fusions on", "step ", "exported", "done in", "Error", "error:")
+    return [line.strip() for line in log.splitlines() if any(k in line for k in keep)
+            and not line.lstrip().startswith(("File ", "warnings.warn"))][-12:]
+
+
+def bench_figures(log: str) -> list[str]:
+    rows = []
+    for line in log.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 14 and cells[0] not in ("model", "---"):
+            model, batch, prompt, new, engine, kv, tps, x_hf = cells[:8]
+            rows.append(f"{model} {batch} x {prompt}+{new} {engine} {kv}: {tps} tok/s (x hf {x_hf}), peak KV "
+                        f"{cells[9]} MiB")
+    return rows or [line for line in log.splitlines() if "Error" in line][-3:]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+FIGURES = {"env": env_figures, "megatron_smoke": megatron_figures, "megatron_fp32_head": megatron_figures,
+           "rollout_bench": bench_figures}
+
+
+def summary(out: Path) -> str:
+    report = [json.loads(line) for line in _read(out / "gpu_report.jsonl").splitlines() if line.strip()]
+    lines = [f"summary of {out} (logs: <step>.log)", "", f"{'step':20s} {'status':18s} {'s':>5s}  figures", "-" * 100]
+    for entry in _read(out / "steps.tsv").splitlines():
+        name, rc, seconds, limit, *note = entry.split("\t")
+        log = _read(out / f"{name}.log")
+        if name == "gpu_tests":
+            figures = pytest_figures(log, report)
+        elif name in FIGURES:
+            figures = FIGURES[name](log)
+        else:
+            figures = note or log.splitlines()[-2:]
+        if rc not in ("0", "skipped") and not figures:
+            figures = log.splitlines()[-3:]
+        first, *rest = figures or ["-"]
+        lines.append(f"{name:20s} {_status(rc, seconds, limit):18s} {seconds:>5s}  {first}")
+        lines += [f"{'':45s}{line}" for line in rest]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tools/gpu_summary.py OUT")
+    print(summary(Path(sys.argv[1])))
