@@ -61,14 +61,17 @@ def test_heads_that_change_logits_after_the_projection_are_refused():
 
 
 def _head_only_llama() -> torch.nn.Module:
-    """A bf16 Llama with no decoder layer: the sampler's and the learner's hidden states are then the same bits (the
-    embedding's RMSNorm), so whatever differs in their log-probs comes from the head. Its untied head gives logits of
-    magnitude ~10-30, where bf16's grid is 0.06-0.125 wide."""
+    """A bf16 Llama whose one decoder layer adds nothing to the residual stream (its output projections are zero):
+    the sampler's and the learner's hidden states are then the same bits (the embedding's RMSNorm), so whatever
+    differs in their log-probs comes from the head. Its untied head gives logits of magnitude ~10-30, where bf16's
+    grid is 0.06-0.125 wide."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=0,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                                          max_position_embeddings=256))
     with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+        model.model.layers[0].mlp.down_proj.weight.zero_()
         model.lm_head.weight.mul_(60.0)
     return model.to(torch.bfloat16).eval()
 

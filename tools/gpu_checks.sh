@@ -50,16 +50,16 @@ for name in ("megatron.core", "triton", "transformer_engine", "apex", "scaled_ma
     print("import", name, "yes" if found else "no")
 EOF'
 
-# 2. exactness on CUDA (fp32 and bf16, both LM-head settings; figures to gpu_report.jsonl), CUDA RNG checkpoints,
-#    the Megatron kernel probe on a real GPU
+# 2. the tests marked gpu: exactness on CUDA (fp32 and bf16, both LM-head settings; figures to gpu_report.jsonl), the
+#    CUDA-graph decode step; CUDA RNG checkpoints; the Megatron kernel probe on a real GPU
 SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 150 python3 -m pytest -q -p no:cacheprovider -m "" -rs \
-  tests/test_gpu_exactness.py tests/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip \
-  tests/test_megatron_kernels.py
+  tests/test_gpu_exactness.py tests/test_gpu_engine.py tests/test_megatron_kernels.py \
+  tests/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
 
 # 3. ---- rollout benchmark: the embedded engine on CUDA, dense vs budgeted, against HF generate (bf16). ----
 #    The engine issue's GPU rows go here (edit rows and timeout together; keep the whole script within 8 minutes).
 step rollout_bench 110 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 2 \
-  --budgets 512 --rows qwen2-19m:64:128:1024 smollm2-135m:64:128:1024
+  --suite gpu
 # ---- end of the rollout benchmark step ----
 
 # 4. Megatron learner: DDP + distributed optimizer + schedules, fusions as probed (layouts 2x1 and 1x2 with 2 GPUs),
@@ -78,8 +78,8 @@ else
   echo "=== sglang: skipped. SGLang is not installed, and it cannot be on the device machine's image: it reaches no" \
        "package registry, and SGLang's CUDA wheels (sgl-kernel, flashinfer) are hundreds of MB, far over the 64 MiB" \
        "a device call can carry. Run examples/sglang/smoke.py on a GPU node with SGLang (sglang_patches/README.md)."
-  printf 'sglang\tskipped\t0\t0\t%s\n' "not installable here (no registry; its CUDA wheels exceed what a call carries)" \
-    >>"$OUT/steps.tsv"
+  why="not installable here (no registry; its CUDA wheels exceed what a call carries)"
+  printf 'sglang\tskipped\t0\t0\t%s\n' "$why" >>"$OUT/steps.tsv"
 fi
 
 python3 tools/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"
