@@ -28,7 +28,8 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 from slime_sparse.algo.metrics import mismatch_metrics  # noqa: E402
 from slime_sparse.backends.logprobs import pad_right, response_logprobs, response_mask  # noqa: E402
@@ -36,7 +37,8 @@ from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 
-SYSTEM = "Solve the problem, thinking step by step. On the last line write 'Answer: ' followed by only the final answer."
+from eviction_quality import reasoning_prompts  # noqa: E402  (the same reasoning-gym prompts)
+
 MASK_LOW, MASK_HIGH, VETO = 0.5, 1.5, 1e-4  # the `mis` preset's token mask and sequence veto
 
 
@@ -57,17 +59,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--out", default="", help="also write the rows as JSON here")
     return p.parse_args(argv)
-
-
-def reasoning_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
-    import reasoning_gym
-
-    out = []
-    for x in reasoning_gym.create_dataset("gsm_symbolic", size=n, seed=seed):
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": x["question"]}]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return out
 
 
 def numeric_stats(recompute: list[torch.Tensor], sampler: list[torch.Tensor]) -> dict[str, float]:
@@ -142,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         path = str(smollm2_hf_dir())
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-    prompts = [p for p in reasoning_prompts(tokenizer, args.prompts, seed=1000 + args.seed) for _ in range(args.samples)]
+    distinct = reasoning_prompts(tokenizer, args.prompts, seed=1000 + args.seed)
+    prompts = [p for p in distinct for _ in range(args.samples)]
     params = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, ignore_eos=False)
     compressed = KVCompressConfig(method=args.method, budget=args.budget, buffer=args.buffer, window=args.window)
     rows = []

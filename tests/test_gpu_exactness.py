@@ -40,7 +40,8 @@ FP32_TOL = 1e-3
 BF16_MEAN_ABS_MAX = 0.05  # published dense bf16 figures: ~0.01; the first bf16 run here (bf16 head): max 0.68
 BF16_MASKED_MAX = 0.02
 NEW_TOKENS = 96
-COMPRESSED = {m: KVCompressConfig(method=m, budget=32, buffer=8, window=8) for m in ("rkv", "snapkv", "streaming", "h2o")}
+COMPRESSED = {m: KVCompressConfig(method=m, budget=32, buffer=8, window=8)
+              for m in ("rkv", "snapkv", "streaming", "h2o")}
 
 
 def report(**row) -> None:
@@ -123,8 +124,8 @@ def test_sampler_logprobs_equal_teacher_forcing_fp32(model, prompts):
     teacher = [_teacher_forced(model, o.prompt_ids, o.response_ids, params.temperature) for o in outs]
     learner = _recompute(model, outs, params.temperature)
     vs_teacher, vs_learner = _diffs(teacher, sampler).abs().max(), _diffs(learner, sampler).abs().max()
-    report(check="fp32 dense sampler vs recompute", max_abs_teacher=float(vs_teacher), max_abs_learner=float(vs_learner),
-           tol=FP32_TOL)
+    report(check="fp32 dense sampler vs recompute", max_abs_teacher=float(vs_teacher),
+           max_abs_learner=float(vs_learner), tol=FP32_TOL)
     assert vs_teacher < FP32_TOL and vs_learner < FP32_TOL
 
 

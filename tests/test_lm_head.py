@@ -145,4 +145,5 @@ def test_one_flag_sets_the_head_of_engine_learner_and_sglang_servers(base_args, 
     assert engine.fp32_lm_head and engine.sglang.extra_args.count("--enable-fp32-lm-head") == 1
     assert cfg.sglang.extra_args == ()  # not passed through on its own
     default = load_config(base_args)
-    assert not default.train.enable_fp32_lm_head and "--enable-fp32-lm-head" not in EngineSpec.from_run(default).sglang.extra_args
+    assert not default.train.enable_fp32_lm_head
+    assert "--enable-fp32-lm-head" not in EngineSpec.from_run(default).sglang.extra_args

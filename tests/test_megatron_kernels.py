@@ -1,4 +1,4 @@
-"""The Megatron learner on a stock GPU node: each fusion on only where its kernel imports (backends/megatron/kernels.py).
+"""The Megatron learner on a stock GPU node: each fusion on only where its kernel imports (megatron/kernels.py).
 
 The first GPU run (H200, no Apex, no Transformer Engine) crashed at its first forward with
 `No module named 'scaled_masked_softmax_cuda'` because masked_softmax_fusion was on whenever CUDA was. These tests

@@ -26,15 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 FP32_LM_HEAD_HELP = (
-    "compute the LM head (the final projection to vocabulary logits) in fp32 on every engine and learner, and "
-    "pass --enable-fp32-lm-head to SGLang servers (SGLang's flag and arithmetic: both operands cast to fp32; TRL's "
-    "cast_lm_head_to_fp32). Log-softmax is always fp32. Off by default as in SGLang, slime, verl and TRL: a bf16 "
-    "run then rounds its logits to bf16 on both sides. On, a bf16 run's dense sampler/learner mismatch drops "
-    "(SmolLM2-135M on CPU: mean |dlogp| 0.05 -> 0.002, benchmarks/numeric_mismatch.py). Cost in bf16: an fp32 copy "
-    "of the head weight (vocab x hidden x 4 bytes, 2.2 GB for Qwen2.5-7B, divided by TP) held from forward to "
-    "backward, an fp32 weight gradient of the same size during backward, fp32 GEMMs for the head (slower than "
-    "bf16 tensor cores); the Megatron learner also holds fp32 instead of bf16 logits for every position "
-    "(+2 bytes x tokens x vocab / TP). Nothing changes in an fp32 run"
+    "compute the LM head (the final projection to vocabulary logits) in fp32 on every engine and learner, and pass "
+    "--enable-fp32-lm-head to the SGLang servers (SGLang's flag and arithmetic: both operands cast to fp32; TRL: "
+    "cast_lm_head_to_fp32). The log-softmax is always fp32. Off by default, as in SGLang, slime, verl and TRL: a "
+    "bf16 run then rounds its logits to bf16 on both sides. On, the bf16 numeric sampler/learner mismatch roughly "
+    "halves (SmolLM2-135M, CPU: dense control mean |dlogp| MEAN_BEFORE -> MEAN_AFTER, k3 K3_BEFORE -> K3_AFTER; "
+    "benchmarks/numeric_mismatch.py). Cost in bf16: an fp32 copy of the head weight (vocab x hidden x 4 bytes: "
+    "2.0 GiB for Qwen2.5-7B, divided by TP) held from forward to backward and an fp32 weight gradient of that size "
+    "during backward (measured: +0.13 GiB peak for a SmolLM2 step of 8 x 256 tokens), fp32 GEMMs for the head; the "
+    "Megatron learner also holds fp32 instead of bf16 logits for every position (+2 bytes x tokens x vocab / TP). "
+    "Nothing changes in an fp32 run"
 )
 
 

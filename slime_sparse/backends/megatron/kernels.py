@@ -52,7 +52,7 @@ class KernelChoice:
         return flags
 
     def describe(self) -> str:
-        spec = "Transformer Engine layer spec" if self.transformer_engine else "local layer spec (no Transformer Engine)"
+        spec = "Transformer Engine layer spec" if self.transformer_engine else "local layer spec (no TE)"
         on = [k for k, v in self.fusion_flags().items() if v]
         off = [k for k, v in self.fusion_flags().items() if not v]
         return f"{spec}; fusions on: {', '.join(on) or 'none'}; off: {', '.join(off) or 'none'}"
