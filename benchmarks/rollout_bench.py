@@ -26,6 +26,7 @@ HF directory (e.g. SmolLM2-135M-Instruct built by #14's `tools/gguf_to_hf.py`), 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import io
 import os
@@ -346,7 +347,8 @@ def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[En
             from slime_sparse_before.rollout.embedded import EmbeddedEngine as BeforeEngine
 
             # the fields the older config knows (a knob added since keeps its default there)
-            before_kv = BeforeKV(**{k: getattr(kv, k) for k in BeforeKV.__dataclass_fields__ if hasattr(kv, k)})
+            before_kv = BeforeKV(**{f.name: getattr(kv, f.name) for f in dataclasses.fields(BeforeKV)
+                                    if hasattr(kv, f.name)})
             out.append(Engine("before", kv, our_engine(BeforeEngine, BeforeParams, model, before_kv, args, row.batch)))
         out.append(Engine("after", kv, our_engine(EmbeddedEngine, SamplingParams, model, kv, args, row.batch)))
         for mode in args.step_modes:
@@ -465,14 +467,15 @@ def main(argv: list[str] | None = None) -> list[str]:
               f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; before = {args.before or '-'}; "
               f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
               f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
-        print(HEADER)
         lines = []
-        for row in args.rows:
-            lines += run_row(row, args, before, bandwidth)
-        if args.same_kv_gib:
-            print("\nSame KV memory: sequences that fit\n" + SAME_KV_HEADER)
+        if args.same_kv_gib:  # arithmetic: first, so that a time limit on the rows below cannot lose it
+            print("Same KV memory: sequences that fit\n" + SAME_KV_HEADER)
             for row in args.rows:
                 lines += same_kv_rows(row, args)
+            print()
+        print(HEADER)
+        for row in args.rows:
+            lines += run_row(row, args, before, bandwidth)
         print(f"# load average at the end {os.getloadavg()[0]:.1f}")
         return lines
     finally:

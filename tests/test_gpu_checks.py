@@ -52,7 +52,9 @@ def test_summary_table_holds_the_figures_of_every_step(tmp_path):
     (tmp_path / "rollout_bench.log").write_text(
         "| model | batch | prompt | new | engine | KV | tok/s | x hf | x before | peak KV MiB | compress % "
         "| roofline % | prefill saved | = before |\n"
-        "| qwen2-19m | 64 | 128 | 1024 | after | rkv 512 | 5123.4 | 1.90 | - | 40.0 | 3.1 | 12.0 | 0 | - |\n")
+        "| qwen2-19m | 64 | 128 | 1024 | after | rkv 512 | 5123.4 | 1.90 | - | 40.0 | 3.1 | 12.0 | 0 | - |\n"
+        "| model | prompt | new | KV memory GiB | KV | slots per sequence | sequences that fit | x dense |\n"
+        "| qwen2.5-1.5b | 128 | 4096 | 16 | rkv B=512+128 | 640 | 936 | 6.64 |\n")
     (tmp_path / "megatron_smoke.log").write_text(
         "TP=1 PP=1: local layer spec (no Transformer Engine); fusions on: bias_activation_fusion\n"
         "TP=1 PP=1 step 4: loss +0.42653 grad_norm 3.2088 recompute 0.1s train 0.2s (80000 tok/s)\n"
@@ -60,7 +62,8 @@ def test_summary_table_holds_the_figures_of_every_step(tmp_path):
     table = _summary_module().summary(tmp_path)
     for expected in ("NVIDIA H100", "megatron.core yes", "1 failed, 9 passed", "FAILED tests/test_gpu_exactness.py",
                      "bf16 dense numeric part: head fp32, mean_abs 0.0123", "TIMEOUT (110 s)",
-                     "qwen2-19m 64 x 128+1024 after rkv 512: 5123.4 tok/s (x hf 1.90)", "grad_norm 3.2088",
+                     "qwen2-19m 64 x 128+1024 after rkv 512: 5123.4 tok/s (x hf 1.90)", "compress 3.1 %",
+                     "in 16 GiB of KV, rkv B=512+128: 936 sequences (x dense 6.64)", "grad_norm 3.2088",
                      "exported 50 HF tensors", "fusions on: bias_activation_fusion", "not installable here"):
         assert expected in table, expected
     assert re.search(r"^gpu_tests\s+FAILED \(exit 1\)", table, flags=re.M)

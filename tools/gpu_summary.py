@@ -53,10 +53,15 @@ def bench_figures(log: str) -> list[str]:
     rows = []
     for line in log.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 14 and cells[0] not in ("model", "---"):
+        if cells[0] in ("model", "---") or not line.startswith("|"):
+            continue
+        if len(cells) == 14:  # throughput rows
             model, batch, prompt, new, engine, kv, tps, x_hf = cells[:8]
             rows.append(f"{model} {batch} x {prompt}+{new} {engine} {kv}: {tps} tok/s (x hf {x_hf}), peak KV "
-                        f"{cells[9]} MiB")
+                        f"{cells[9]} MiB, compress {cells[10]} %")
+        elif len(cells) == 8:  # the same-KV-memory table
+            model, prompt, new, gib, kv, slots, fit, x_dense = cells
+            rows.append(f"{model} {prompt}+{new} in {gib} GiB of KV, {kv}: {fit} sequences (x dense {x_dense})")
     return rows or [line for line in log.splitlines() if "Error" in line][-3:]
 
 
