@@ -36,11 +36,13 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, s
     n, n_q_heads, width, d = query.shape
     n_kv_heads, span = key.shape[1], key.shape[2]
     group = n_q_heads // n_kv_heads
-    q = query.reshape(n, n_kv_heads, group * width, d)
-    scores = (q @ key.transpose(-1, -2)).view(n, n_kv_heads, group, width, span) * scaling
+    # in float32 throughout, as SDPA keeps its scores and accumulators (the learner's attention): in bf16, scores
+    # rounded to bf16 before the softmax would add a numeric mismatch of their own
+    q = query.reshape(n, n_kv_heads, group * width, d).float()
+    scores = (q @ key.float().transpose(-1, -2)).view(n, n_kv_heads, group, width, span) * scaling
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    out = probs.to(value.dtype).view(n, n_kv_heads, group * width, span) @ value
+    probs = torch.softmax(scores, dim=-1)
+    out = (probs.view(n, n_kv_heads, group * width, span) @ value.float()).to(value.dtype)
     return out.view(n, n_q_heads, width, d).transpose(1, 2).contiguous(), probs
 
 
