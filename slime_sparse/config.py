@@ -443,7 +443,8 @@ class RunConfig:
                              f"{flag_for('train', 'train_backend')} megatron: the embedded learner starts from "
                              f"{flag_for('train', 'hf_checkpoint')}")
         if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
-            dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
+            dataclasses.replace(self.kv, method=self.eval.eval_kv_method, preset="custom").validate()
+        self._validate_engine_kv()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -451,6 +452,20 @@ class RunConfig:
                 f"{flag_for('rollout', 'rollout_batch_size')} x {flag_for('rollout', 'n_samples_per_prompt')} = "
                 f"{samples}"
             )
+
+    def _validate_engine_kv(self) -> None:
+        """What the chosen rollout engine can express of the --kv-* settings."""
+        engine = self.rollout.engine
+        if engine == "sglang":
+            from sglang_patches.settings import check_sglang_kv_config  # no SGLang import: pure settings
+
+            check_sglang_kv_config(self.kv)
+        elif self.kv.enabled and self.kv.schedule != "uniform":
+            # The embedded engine's cache keeps one budget for every layer until its per-layer cache lands (then
+            # this branch goes): refusing is better than sampling under the mean budget while saying "pyramid".
+            raise ValueError(f"--kv-budget-schedule={self.kv.schedule} (--kv-method={self.kv.method}) needs per-layer "
+                             f"budgets, which {flag_for('rollout', 'engine')} {engine} does not keep yet: use "
+                             "--kv-budget-schedule uniform")
 
     @property
     def steps_per_rollout(self) -> int:
