@@ -181,8 +181,7 @@ class KVCompressConfig:
                     f"{covering or 'none'})")
         protected = self.window + self.sinks
         if self.enabled and self.schedule == "explicit":
-            too_small = [b for b in self.layer_budgets if b <= protected]
-            if too_small:
-                bad("layer-budgets", self.layer_budgets, f"every budget must exceed window + sinks = {protected}")
+            if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
+                bad("layer-budgets", self.layer_budgets, f"every budget must be >= window + sinks = {protected}")
         elif self.enabled and self.budget <= protected:
             bad("budget", self.budget, f"must exceed window + sinks = {protected}")
