@@ -9,7 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.sampling import SamplingParams
-from slime_sparse.kv.memory_plan import GIB, ModelShape, peak_kv_slots, plan_learner, plan_rollout
+from slime_sparse.kv import layer_budgets
+from slime_sparse.kv.memory_plan import (GIB, ModelShape, layer_peak_slots, peak_kv_bytes, peak_kv_slots, plan_learner,
+                                          plan_rollout)
 
 QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
@@ -95,3 +97,30 @@ def test_cli_prints_the_plan(tmp_path, capsys):
     dense = plan_rollout(shape, kv=None, gpu_bytes=80 * GIB, mem_fraction_static=0.8, dtype_bytes=2, prompt_len=512,
                          max_new_tokens=8192)
     assert "7.62B parameters" in out and f"{dense.max_requests:,}" in out and "2x1x4" in out
+
+
+def test_per_layer_budgets_by_hand():
+    """Qwen2.5-7B, a PyramidKV pyramid of mean 512: each layer peaks at its B_l + buffer, so a paged engine with
+    per-layer pages holds what a uniform 512 holds; the embedded engine's rows are sized for the largest layer;
+    SGLang cannot hold per-layer budgets."""
+    shape = ModelShape.from_hf_config(QWEN25_7B)
+    uniform = KVCompressConfig(method="rkv", budget=512, buffer=128, window=8)
+    pyr = KVCompressConfig(method="pyramidkv", budget=512, buffer=128, window=8, pyramid_beta=10)
+    budgets = layer_budgets(pyr, 28)
+    assert (budgets[0], budgets[-1], sum(budgets)) == (8 + 1008 - 50, 8 + 50, 28 * 512)  # S = 504, top 504 // 10
+    # a prompt under every layer's B_l + buffer (min 58 + 128): each layer peaks at B_l + buffer
+    assert layer_peak_slots(128, 8192, pyr, 28) == tuple(b + 128 for b in budgets)
+    per_layer_token = 2 * 4 * 128 * 2
+    assert peak_kv_bytes(shape, 128, 8192, pyr, 2, "paged") == 28 * 640 * per_layer_token
+    assert peak_kv_bytes(shape, 128, 8192, pyr, 2, "paged") == peak_kv_bytes(shape, 128, 8192, uniform, 2, "sglang")
+    assert peak_kv_bytes(shape, 128, 8192, pyr, 2, "embedded") == 28 * (budgets[0] + 128) * per_layer_token
+    with pytest.raises(ValueError, match="--kv-budget-schedule=pyramid: SGLang"):
+        peak_kv_bytes(shape, 128, 8192, pyr, 2, "sglang")
+    common = dict(gpu_bytes=80 * GIB, mem_fraction_static=0.8, dtype_bytes=2, prompt_len=128, max_new_tokens=8192)
+    paged, sglang = plan_rollout(shape, kv=pyr, engine="paged", **common), plan_rollout(shape, kv=uniform, **common)
+    assert paged.max_requests == sglang.max_requests and paged.peak_slots == budgets[0] + 128
+    # a 512-token prompt is held whole by every layer until the cut after prefill: the small layers peak there
+    assert layer_peak_slots(512, 8192, pyr, 28) == tuple(max(512, b + 128) for b in budgets)
+    # a short prompt: the big layers never fill, a long one is prefilled whole before the first cut
+    assert layer_peak_slots(10, 40, pyr, 28) == (49,) * 28
+    assert layer_peak_slots(2000, 10, pyr, 28) == (2000,) * 28
