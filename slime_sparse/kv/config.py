@@ -78,6 +78,8 @@ class KVCompressConfig:
     FLAG_PREFIX: ClassVar[str] = "--kv-"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_budgets, tuple):  # a list from JSON / YAML
+            object.__setattr__(self, "layer_budgets", tuple(self.layer_budgets))
         if not self.preset:
             object.__setattr__(self, "preset", self.equal_preset())
 
