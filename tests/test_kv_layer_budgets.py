@@ -270,3 +270,20 @@ def test_the_reference_sampler_is_dense_without_compression():
     with torch.no_grad():
         dense, _ = response_logprobs(model, [prompt + response], [len(response)], temperature=0.9)
     assert (dense[0] - torch.tensor(logprobs)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("granularity", ["head", "layer"])
+@pytest.mark.parametrize("method", ["rkv", "keydiff"])
+def test_batched_rows_select_what_each_row_selects_alone(method, granularity):
+    """What a [rows, layers, Hkv, slots] engine calls: compress_indices over all rows of each layer at once under
+    per-layer budgets; row r keeps what it keeps alone."""
+    cfg = KVCompressConfig(method=method, budget=10, window=3, kernel_size=3, granularity=granularity,
+                           budget_schedule="explicit", layer_budgets=(14, 10, 5))
+    g = torch.Generator().manual_seed(2)
+    keys = [torch.randn(4, 2, n, 8, generator=g) for n in (22, 19, 16)]  # layers hold different slot counts
+    queries = [torch.randn(4, 4, 3, 8, generator=g) for _ in range(3)]
+    kept = compress_indices(cfg, keys, queries)
+    assert [k.shape for k in kept] == [(4, 2, 14), (4, 2, 10), (4, 2, 5)]
+    for r in range(4):
+        alone = compress_indices(cfg, [k[r] for k in keys], [q[r] for q in queries])
+        assert all(torch.equal(k[r], a) for k, a in zip(kept, alone)), r
