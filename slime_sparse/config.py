@@ -443,7 +443,7 @@ class RunConfig:
                              f"{flag_for('train', 'train_backend')} megatron: the embedded learner starts from "
                              f"{flag_for('train', 'hf_checkpoint')}")
         if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
-            dataclasses.replace(self.kv, method=self.eval.eval_kv_method, preset="custom").validate()
+            dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
         self._validate_engine_kv()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:

@@ -106,6 +106,11 @@ class KVCompressConfig:
 
         if name not in PRESETS:
             raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: choose one of {tuple(PRESETS)}")
+        method = overrides.get("method", cls.method)
+        if method != "none" and method not in PRESETS[name].methods:
+            covering = [n for n, p in PRESETS.items() if method in p.methods]
+            raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: has no settings for "
+                             f"{cls.FLAG_PREFIX}method={method} (presets that do: {covering or 'none'})")
         known = {f.name for f in dataclasses.fields(cls)} - {"preset"}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -177,10 +182,6 @@ class KVCompressConfig:
 
             if self.preset not in PRESETS:
                 bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
-            if self.enabled and self.method not in PRESETS[self.preset].methods:
-                covering = [n for n, p in PRESETS.items() if self.method in p.methods]
-                bad("preset", self.preset, f"has no settings for --kv-method={self.method} (presets that do: "
-                    f"{covering or 'none'})")
         protected = self.window + self.sinks
         if self.enabled and self.schedule == "explicit":
             if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
