@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from .presets import PRESETS, preset_values
+
 
 @dataclass(frozen=True)
 class MethodTraits:
@@ -85,8 +87,6 @@ class KVCompressConfig:
 
     def equal_preset(self) -> str:
         """The preset that covers this method and whose knobs these all equal, or "custom"."""
-        from .presets import PRESETS, preset_values
-
         return next((name for name, p in PRESETS.items() if (self.method in p.methods or not self.enabled)
                      and all(getattr(self, k) == v for k, v in preset_values(name).items())), "custom")
 
@@ -102,8 +102,6 @@ class KVCompressConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "KVCompressConfig":
         """A preset's knobs (presets.py) with some overridden; the result is validated."""
-        from .presets import PRESETS, preset_values
-
         if name not in PRESETS:
             raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: choose one of {tuple(PRESETS)}")
         method = overrides.get("method", cls.method)
@@ -177,11 +175,8 @@ class KVCompressConfig:
             # different slots, and no single ranking covers them
             bad("granularity", self.granularity, f"model needs one budget for every layer, not --kv-budget-schedule "
                 f"{self.schedule} (use head or layer)")
-        if self.preset != "custom":
-            from .presets import PRESETS
-
-            if self.preset not in PRESETS:
-                bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
+        if self.preset != "custom" and self.preset not in PRESETS:
+            bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
         protected = self.window + self.sinks
         if self.enabled and self.schedule == "explicit":
             if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
