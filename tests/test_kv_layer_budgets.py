@@ -287,3 +287,12 @@ def test_batched_rows_select_what_each_row_selects_alone(method, granularity):
     for r in range(4):
         alone = compress_indices(cfg, [k[r] for k in keys], [q[r] for q in queries])
         assert all(torch.equal(k[r], a) for k, a in zip(kept, alone)), r
+
+
+def test_one_budget_for_a_per_layer_schedule_is_refused():
+    """An engine that still passes one budget per row (today's embedded engine) cannot run a pyramid by accident."""
+    cfg = KVCompressConfig(method="pyramidkv", budget=10, window=3, kernel_size=3)
+    keys, queries = random_layers(0, 3, 24)
+    with pytest.raises(ValueError, match="--kv-budget-schedule=pyramid"):
+        compress_indices(cfg, keys, queries, budget=10)
+    assert [k.shape[-1] for k in compress_indices(cfg, keys, queries)] == list(layer_budgets(cfg, 3))
