@@ -9,6 +9,8 @@ reproduce from the record alone.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
@@ -113,8 +115,9 @@ def test_selection_under_per_layer_budgets_is_each_layer_alone(granularity):
     kept = compress_indices(cfg, keys, queries)
     assert [k.shape for k in kept] == [(2, 16), (2, 10), (2, 6)]
     if granularity != "model":  # layer l keeps what a uniform run at B_l keeps in that layer
+        uniform = dataclasses.replace(cfg, budget_schedule=None, layer_budgets=())
         for layer, b in enumerate((16, 10, 6)):
-            alone = compress_indices(cfg, keys, queries, budget=b)[layer]
+            alone = compress_indices(uniform, keys, queries, budget=b)[layer]
             assert torch.equal(kept[layer], alone)
     else:  # one ranking for the model: nested sets, every head alike
         sets = [set(k[0].tolist()) for k in kept]
