@@ -12,9 +12,8 @@ scores the same tokens, and the training loop's own metrics are taken over every
     accuracy = share of responses whose answer ("Answer:" line, else the last integer) reasoning-gym scores 1
 
 Each seed draws its own prompts and sampling seed; the table reports the mean over seeds (and the spread
-of k3). A dense row (no compression) gives the numerical floor. Rows under a per-layer budget schedule
-(pyramidkv) run once the embedded engine keeps per-layer budgets (`EmbeddedEngine.supports_layer_budgets`);
-until then they are listed as pending. All rows of a budget hold the same mean KV budget per layer.
+of k3). A dense row (no compression) gives the numerical floor. All rows of a budget hold the same mean KV
+budget per layer (pyramidkv spreads it over the layers).
 
     python benchmarks/eviction_quality.py --task products --budgets 32 64 --buffer 16 --window 8   # the 2026-11 rows
     python benchmarks/eviction_quality.py --rows rkv snapkv --budgets 32 --seeds 0 --prompts 4      # minutes
@@ -121,11 +120,6 @@ def row_config(row: str, budget: int, buffer: int, window: int | None) -> KVComp
     return KVCompressConfig.from_preset(preset, **knobs) if preset else KVCompressConfig(**knobs)
 
 
-def engine_runs(kv: KVCompressConfig) -> bool:
-    """The embedded engine can sample under `kv`: per-layer budget schedules need its per-layer cache."""
-    return kv.schedule == "uniform" or getattr(EmbeddedEngine, "supports_layer_budgets", False)
-
-
 def measure(model, prompts: list[list[int]], kv: KVCompressConfig, params: SamplingParams, seed: int,
             scorers=None, tokenizer=None) -> dict:
     """Sample under `kv`, recompute densely, return the mismatch and KV metrics over all response tokens (and the
@@ -176,13 +170,10 @@ def run(args: argparse.Namespace) -> None:
     done = {key(r) for r in load_results(args.out)}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)) or ".", exist_ok=True)
     configs = [("none", 0)] + [(row, b) for b in args.budgets for row in args.rows]
-    pending = sorted({row for row, b in configs if not engine_runs(row_config(row, b, args.buffer, args.window))})
-    if pending:
-        print(f"pending (per-layer budgets; the embedded engine keeps one budget per layer for now): {pending}")
     for seed in args.seeds:
         prompts, scorers = reasoning_prompts(tokenizer, args.prompts, seed=1000 + seed, task=args.task)
         for row, budget in configs:
-            if (args.task, row, budget, seed) in done or row in pending:
+            if (args.task, row, budget, seed) in done:
                 continue
             kv = row_config(row, budget, args.buffer, args.window)
             result = {"task": args.task, "method": row, "budget": budget, "seed": seed, "buffer": args.buffer,

@@ -28,12 +28,9 @@ DENSE_REQUEST_PARAM = "slime_sparse_dense"
 REQUIRED_GRANULARITY = "model"
 
 
-# Why only one budget for every layer: for the same reason, a request's slots are shared by all layers, so the
-# row must hold the union of what its layers keep (the largest budget when the sets are nested) and a layer with a
-# smaller budget would need its own mask or page table to ignore the rest; SGLang's decode kernels (fa3, flashinfer,
-# triton) read one page table per request. Per-layer budgets there need per-layer (group) page tables, as SGLang's
-# hybrid SWA pool keeps for its two layer groups: GPU-server work, see sglang_patches/README.md "Per-layer budgets".
-REQUIRED_SCHEDULE = "uniform"
+# One budget for every layer follows: --kv-granularity model needs one (KVCompressConfig.validate), and SGLang could
+# not hold several anyway, a request's slots being shared by every layer (sglang_patches/README.md, "Per-layer
+# budgets").
 
 
 def check_sglang_kv_config(cfg: KVCompressConfig) -> None:
@@ -46,11 +43,7 @@ def check_sglang_kv_config(cfg: KVCompressConfig) -> None:
             f"req_to_token row per request shared by every layer and head, so selection must be "
             f"--kv-granularity={REQUIRED_GRANULARITY}"
         )
-    if cfg.enabled and cfg.schedule != REQUIRED_SCHEDULE:
-        raise ValueError(
-            f"--kv-budget-schedule={cfg.schedule!r} (--kv-method={cfg.method}) is not supported by the SGLang engine: "
-            "a request's KV slots are shared by every layer, so each layer keeps the same budget (a smaller one "
-            "would need a page table per layer); use --kv-budget-schedule uniform")
+
 
 
 def encode_config(cfg: KVCompressConfig) -> str:

@@ -454,18 +454,11 @@ class RunConfig:
             )
 
     def _validate_engine_kv(self) -> None:
-        """What the chosen rollout engine can express of the --kv-* settings."""
-        engine = self.rollout.engine
-        if engine == "sglang":
+        """What the chosen rollout engine can express of the --kv-* settings (the embedded engine: all of them)."""
+        if self.rollout.engine == "sglang":
             from sglang_patches.settings import check_sglang_kv_config  # no SGLang import: pure settings
 
             check_sglang_kv_config(self.kv)
-        elif self.kv.enabled and self.kv.schedule != "uniform":
-            # The embedded engine's cache keeps one budget for every layer until its per-layer cache lands (then
-            # this branch goes): refusing is better than sampling under the mean budget while saying "pyramid".
-            raise ValueError(f"--kv-budget-schedule={self.kv.schedule} (--kv-method={self.kv.method}) needs per-layer "
-                             f"budgets, which {flag_for('rollout', 'engine')} {engine} does not keep yet: use "
-                             "--kv-budget-schedule uniform")
 
     @property
     def steps_per_rollout(self) -> int:

@@ -185,12 +185,10 @@ def test_every_section_has_a_flag_prefix_and_every_flag_one_owner():
 @pytest.mark.parametrize("extra, message", [
     # SGLang: one req_to_token row per request, shared by every layer and head (sglang_patches/settings.py)
     (["--rollout-engine", "sglang", "--kv-method", "rkv"], "--kv-granularity='head' is not supported by the SGLang"),
+    # ... and so one budget for every layer (one set for all layers cannot be kept at several sizes)
     (["--rollout-engine", "sglang", "--kv-method", "pyramidkv", "--kv-granularity", "model"],
-     "--kv-budget-schedule='pyramid' .* not supported by the SGLang"),
-    (["--rollout-engine", "sglang", "--kv-method", "rkv", "--kv-granularity", "model", "--kv-budget-schedule",
-      "explicit", "--kv-layer-budgets", "64", "32"], "--kv-budget-schedule='explicit'"),
-    # the embedded engine keeps one budget per layer until its per-layer cache lands
-    (["--kv-method", "pyramidkv"], "--kv-budget-schedule=pyramid .* --rollout-engine embedded does not keep"),
+     "--kv-granularity='model' is invalid: model needs one budget for every layer"),
+    (["--rollout-engine", "sglang", "--kv-method", "pyramidkv"], "--kv-granularity='head' is not supported by the SGLang"),
     (["--kv-method", "rkv", "--kv-layer-budgets", "64", "32"], "--kv-layer-budgets"),
     (["--kv-method", "keydiff", "--kv-preset", "sparse-rl-fork"], "--kv-preset='sparse-rl-fork' is invalid: has no settings for "
                                                                   "--kv-method=keydiff"),
@@ -200,6 +198,14 @@ def test_every_section_has_a_flag_prefix_and_every_flag_one_owner():
 def test_kv_settings_the_engine_cannot_run_fail_at_config_load(base_args, extra, message):
     with pytest.raises(ValueError, match=message):
         load_config(base_args + extra)
+
+
+def test_per_layer_budgets_load_for_the_embedded_engine(base_args):
+    cfg = load_config(base_args + ["--kv-method", "pyramidkv", "--kv-budget", "64"]).kv
+    assert (cfg.schedule, cfg.preset, cfg.pyramid_beta) == ("pyramid", "sparse-rl-fork", 10.0)
+    cfg = load_config(base_args + ["--kv-method", "rkv", "--kv-budget-schedule", "explicit", "--kv-layer-budgets",
+                                   "64", "32", "--kv-granularity", "layer"]).kv
+    assert cfg.layer_budgets == (64, 32)
 
 
 def test_sglang_kv_settings_it_can_run_load(base_args):

@@ -9,10 +9,12 @@ The rollout numbers follow the engines exactly where they can, through the budge
   are `schedule.row_capacity` = min(prompt + max_new, budget + buffer);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes, the layout of both
   engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer;
-- per-layer budgets (budgets.py): layer l peaks at B_l + buffer slots (schedule.py). SGLang cannot hold them (one
-  slot per token for every layer: sglang_patches.settings refuses them), so they are planned for a paged engine
-  with per-layer pages ("paged", the sum over layers of each layer's peak; a pyramid of mean B then costs what a
-  uniform B costs) and for the embedded engine (a [layers, slots] row sized for the largest layer).
+- per-layer budgets (budgets.py): every layer fills to max_l B_l + buffer before the first compression (the
+  trigger is the fullest layer's, schedule.py), then layer l cycles in [B_l, B_l + buffer]. SGLang cannot hold them
+  (one slot per token for every layer: sglang_patches.settings refuses them); they are planned for the embedded
+  engine (a [layers, slots] row sized for the largest layer) and for a paged engine with per-layer pages ("paged":
+  the sum over layers of each layer's peak, which under this trigger is every layer at max_l B_l + buffer for a
+  sequence long enough to reach the first compression: a pyramid saves memory only between compressions).
 The learner numbers are the standard mixed-precision accounting (weights, fp32 gradients, fp32 master
 weights and Adam moments, the last two sharded over data parallelism by Megatron's distributed optimizer);
 activations depend on micro-batch shapes and recomputation and are left out.
