@@ -91,7 +91,7 @@ def slots_freed_by_next_compaction(cache_len: int, generated: int, cfg: KVCompre
     _check_non_negative(cache_len=cache_len, generated=generated)
     if dense or not should_compress(cache_len, cfg, first_decode=generated == 1):
         return 0
-    return cache_len - slots_after_compression(cache_len, cfg)
+    return cache_len - slots_after_compression(cache_len, cfg.budget)  # one budget: sglang_patches.settings
 
 
 # ----------------------------------------------------------------------------------------------------------------

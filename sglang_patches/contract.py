@@ -237,7 +237,7 @@ CHECKS: tuple[SourceCheck, ...] = (
     SourceCheck("srt/utils/common.py", "MultiprocessingSerializer.serialize", "TensorWeightSync payload",
                 snippets=("def serialize(obj, output_str: bool = False):",)),
     SourceCheck("srt/utils/common.py", "init_custom_process_group",
-                "weight group rendezvous whose store keys slime_sparse.ray.weight_sync.new_group mirrors",
+                "weight group rendezvous whose store keys slime_sparse.utils.weight_sync.new_group mirrors",
                 snippets=("rendezvous(init_method, rank, world_size, timeout=timeout)",
                           "store = PrefixStore(group_name, store)",
                           "_new_process_group_helper(")),

@@ -28,8 +28,14 @@ DENSE_REQUEST_PARAM = "slime_sparse_dense"
 REQUIRED_GRANULARITY = "model"
 
 
+# One budget for every layer follows: --kv-granularity model needs one (KVCompressConfig.validate), and SGLang could
+# not hold several anyway, a request's slots being shared by every layer (sglang_patches/README.md, "Per-layer
+# budgets").
+
+
 def check_sglang_kv_config(cfg: KVCompressConfig) -> None:
-    """Raise ValueError (naming the flag) unless cfg is valid and expressible by req_to_token compaction."""
+    """Raise ValueError (naming the flag) unless cfg is valid and expressible by req_to_token compaction. Called at
+    config load (RunConfig.validate) and again by encode_config, before a server is started."""
     cfg.validate(prefix="--kv-")
     if cfg.enabled and cfg.granularity != REQUIRED_GRANULARITY:
         raise ValueError(
@@ -37,6 +43,7 @@ def check_sglang_kv_config(cfg: KVCompressConfig) -> None:
             f"req_to_token row per request shared by every layer and head, so selection must be "
             f"--kv-granularity={REQUIRED_GRANULARITY}"
         )
+
 
 
 def encode_config(cfg: KVCompressConfig) -> str:

@@ -444,6 +444,7 @@ class RunConfig:
                              f"{flag_for('train', 'hf_checkpoint')}")
         if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
             dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
+        self._validate_engine_kv()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -451,6 +452,13 @@ class RunConfig:
                 f"{flag_for('rollout', 'rollout_batch_size')} x {flag_for('rollout', 'n_samples_per_prompt')} = "
                 f"{samples}"
             )
+
+    def _validate_engine_kv(self) -> None:
+        """What the chosen rollout engine can express of the --kv-* settings (the embedded engine: all of them)."""
+        if self.rollout.engine == "sglang":
+            from sglang_patches.settings import check_sglang_kv_config  # no SGLang import: pure settings
+
+            check_sglang_kv_config(self.kv)
 
     @property
     def steps_per_rollout(self) -> int:

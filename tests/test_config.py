@@ -180,3 +180,64 @@ def test_every_section_has_a_flag_prefix_and_every_flag_one_owner():
     assert tuple(SECTION_PREFIXES) == SECTIONS
     dests = [a.dest for a in build_parser()._actions if a.dest not in ("help", "config")]
     assert len(dests) == len(set(dests)) and "correction.preset" in dests
+
+
+@pytest.mark.parametrize("extra, message", [
+    # SGLang: one req_to_token row per request, shared by every layer and head (sglang_patches/settings.py)
+    (["--rollout-engine", "sglang", "--kv-method", "rkv"], "--kv-granularity='head' is not supported by the SGLang"),
+    # ... and so one budget for every layer (one set for all layers cannot be kept at several sizes)
+    (["--rollout-engine", "sglang", "--kv-method", "pyramidkv", "--kv-granularity", "model"],
+     "--kv-granularity='model' is invalid: model needs one budget for every layer"),
+    (["--rollout-engine", "sglang", "--kv-method", "pyramidkv"], "--kv-granularity='head' is not supported by the SGLang"),
+    (["--kv-method", "rkv", "--kv-layer-budgets", "64", "32"], "--kv-layer-budgets"),
+    (["--kv-method", "keydiff", "--kv-preset", "sparse-rl-fork"], "--kv-preset='sparse-rl-fork' is invalid: has no settings for "
+                                                                  "--kv-method=keydiff"),
+    (["--kv-method", "snapkv", "--kv-preset", "kvpress", "--kv-budget", "64"], "--kv-budget=64 .* window \\+ sinks = 64"),
+    (["--kv-preset", "nope"], "--kv-preset='nope'"),
+])
+def test_kv_settings_the_engine_cannot_run_fail_at_config_load(base_args, extra, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(base_args + extra)
+
+
+def test_per_layer_budgets_load_for_the_embedded_engine(base_args):
+    cfg = load_config(base_args + ["--kv-method", "pyramidkv", "--kv-budget", "64"]).kv
+    assert (cfg.schedule, cfg.preset, cfg.pyramid_beta) == ("pyramid", "sparse-rl-fork", 10.0)
+    cfg = load_config(base_args + ["--kv-method", "rkv", "--kv-budget-schedule", "explicit", "--kv-layer-budgets",
+                                   "64", "32", "--kv-granularity", "layer"]).kv
+    assert cfg.layer_budgets == (64, 32)
+
+
+def test_sglang_kv_settings_it_can_run_load(base_args):
+    cfg = load_config(base_args + ["--rollout-engine", "sglang", "--kv-method", "keydiff", "--kv-granularity", "model"])
+    assert (cfg.kv.method, cfg.kv.schedule, cfg.kv.preset) == ("keydiff", "uniform", "custom")
+
+
+def test_kv_presets_set_their_knobs_and_flags_override_them(base_args):
+    default = load_config(base_args + ["--kv-method", "snapkv"]).kv
+    assert (default.preset, default.window, default.kernel_size, default.pooling, default.gqa_reduce) == (
+        "sparse-rl-fork", 8, 7, "max", "max")  # today's behaviour, named
+    kvpress = load_config(base_args + ["--kv-method", "snapkv", "--kv-preset", "kvpress", "--kv-budget", "128"]).kv
+    assert (kvpress.preset, kvpress.window, kvpress.kernel_size, kvpress.pooling, kvpress.gqa_reduce) == (
+        "kvpress", 64, 5, "avg", "mean")
+    narrow = load_config(base_args + ["--kv-method", "snapkv", "--kv-preset", "kvpress", "--kv-window", "8"]).kv
+    assert (narrow.preset, narrow.window, narrow.pooling) == ("kvpress", 8, "avg")  # flags over the preset
+    rkv = load_config(base_args + ["--kv-method", "rkv", "--kv-preset", "rkv-code"]).kv
+    assert rkv.mix_lambda == 0.07
+    assert load_config(base_args + ["--kv-method", "rkv", "--kv-mix-lambda", "0.07"]).kv.preset == "rkv-code"
+    assert load_config(base_args + ["--kv-method", "rkv", "--kv-mix-lambda", "0.2"]).kv.preset == "custom"
+
+
+def test_kv_preset_help_names_the_default_and_why(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--kv-preset" in text and "sparse-rl-fork | rkv-code | kvpress" in text
+    assert "defaults are sparse-rl-fork's, the settings the Sparse-RL results were produced with" in text
+
+
+def test_saved_kv_config_loads_back_equal(base_args, tmp_path):
+    cfg = load_config(base_args + ["--kv-method", "snapkv", "--kv-preset", "kvpress", "--kv-window", "8"])
+    path = tmp_path / "c.yaml"
+    save_config(cfg, str(path))
+    assert load_config(["--config", str(path)]).kv == cfg.kv

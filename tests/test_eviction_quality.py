@@ -62,3 +62,48 @@ def test_report_averages_seeds_and_pivots():
     assert "| budget | rkv | h2o |" in lines  # methods in the study's order, only those measured
     assert "| 32 | 0.4000 (0.1414) | 0.4000 (0.0000) |" in lines and "| 64 | 0.1000 (0.0000) |  |" in lines
     assert lines[-1].startswith("dense (no compression, the numerical floor): k3 1.0e-09")
+
+
+def test_rows_name_a_method_and_its_preset():
+    assert bench.row_config("none", 32, 16, 8) == KVCompressConfig()
+    fork = bench.row_config("snapkv", 32, 16, None)
+    assert (fork.method, fork.preset, fork.pooling, fork.window, fork.budget, fork.buffer) == (
+        "snapkv", "sparse-rl-fork", "max", 8, 32, 16)
+    kvpress = bench.row_config("snapkv@kvpress", 128, 16, None)
+    assert (kvpress.preset, kvpress.pooling, kvpress.gqa_reduce, kvpress.window) == ("kvpress", "avg", "mean", 64)
+    assert bench.row_config("snapkv@kvpress", 32, 16, 8).window == 8  # --window over the preset's
+    assert bench.row_config("rkv@rkv-code", 32, 16, 8).mix_lambda == 0.07
+    pyramid = bench.row_config("pyramidkv@kvpress", 32, 16, 8)
+    assert (pyramid.schedule, pyramid.pyramid_beta, pyramid.window) == ("pyramid", 20.0, 8)
+    with pytest.raises(ValueError, match="--kv-preset"):
+        bench.row_config("keydiff@rkv-code", 32, 16, 8)
+
+
+@pytest.mark.parametrize("response,answer", [
+    ("3 x 4 is 12.\nAnswer: 12", "12"), ("so 7*8 = 56", "56"), ("Answer: **42**.", "42"), ("no idea", None),
+    ("first 10, then Answer: 1,234", "1,234"),
+])
+def test_answer_extraction(response, answer):
+    assert bench.extract_answer(response) == answer
+
+
+def test_accuracy_counts_full_credit_only():
+    class Partial:  # reasoning-gym's scorers give partial credit to near misses
+        @staticmethod
+        def score_answer(answer, entry):
+            return 1.0 if answer == entry["answer"] else 0.5 if answer.lstrip("-") == entry["answer"] else 0.0
+
+    entry = {"answer": "45"}
+    assert bench.correct(Partial, entry, "Answer: 45") and not bench.correct(Partial, entry, "Answer: -45")
+    assert not bench.correct(Partial, entry, "no number")
+
+
+@pytest.mark.real_model  # reasoning-gym: the `real` extra
+def test_accuracy_is_reasoning_gyms_full_credit():
+    import reasoning_gym
+
+    data = reasoning_gym.create_dataset("products", size=2, seed=0, **bench.TASK_ARGS["products"])
+    entry = data[0]
+    assert bench.correct(data, entry, f"steps...\nAnswer: {entry['answer']}")
+    assert not bench.correct(data, entry, f"Answer: {int(entry['answer']) + 1}")
+    assert not bench.correct(data, entry, "nothing")

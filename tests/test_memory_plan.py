@@ -2,6 +2,8 @@
 published 7,615,616,512), the bytes the embedded engine really allocates, and hand-computed KV peaks."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -9,7 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.sampling import SamplingParams
-from slime_sparse.kv.memory_plan import GIB, ModelShape, peak_kv_slots, plan_learner, plan_rollout
+from slime_sparse.kv import layer_budgets
+from slime_sparse.kv.memory_plan import (GIB, ModelShape, layer_peak_slots, peak_kv_bytes, peak_kv_slots, plan_learner,
+                                          plan_rollout)
 
 QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}
@@ -95,3 +99,38 @@ def test_cli_prints_the_plan(tmp_path, capsys):
     dense = plan_rollout(shape, kv=None, gpu_bytes=80 * GIB, mem_fraction_static=0.8, dtype_bytes=2, prompt_len=512,
                          max_new_tokens=8192)
     assert "7.62B parameters" in out and f"{dense.max_requests:,}" in out and "2x1x4" in out
+
+
+def test_per_layer_budgets_by_hand():
+    """Qwen2.5-7B, a PyramidKV pyramid of mean 512: every layer fills to the largest budget + buffer before the first
+    compression (the fullest layer's trigger), so a sequence that reaches it peaks there in every layer, paged or
+    not; a short one holds what it wrote; SGLang cannot hold per-layer budgets."""
+    shape = ModelShape.from_hf_config(QWEN25_7B)
+    pyr = KVCompressConfig(method="pyramidkv", budget=512, buffer=128, window=8, pyramid_beta=10)
+    budgets = layer_budgets(pyr, 28)
+    assert (budgets[0], budgets[-1], sum(budgets)) == (8 + 1008 - 50, 8 + 50, 28 * 512)  # S = 504, top 504 // 10
+    peak = budgets[0] + 128
+    rkv_pyr = dataclasses.replace(pyr, method="rkv", budget_schedule="pyramid")  # no cut after prefill
+    assert layer_peak_slots(128, 8192, rkv_pyr, 28) == (peak,) * 28
+    assert layer_peak_slots(128, 500, rkv_pyr, 28) == (627,) * 28  # 128 + 499 writes, under the trigger: dense
+    # PyramidKV cuts the prompt after prefill (layers over budget only), then every layer grows until the fullest
+    # (still the whole prompt) reaches the trigger
+    assert layer_peak_slots(128, 8192, pyr, 28) == tuple(min(128, b) + peak - 128 for b in budgets)
+    assert layer_peak_slots(2000, 10, pyr, 28) == (2000,) * 28  # a long prompt is prefilled whole first
+    per_layer_token = 2 * 4 * 128 * 2
+    assert peak_kv_bytes(shape, 128, 8192, rkv_pyr, 2, "paged") == 28 * peak * per_layer_token
+    assert peak_kv_bytes(shape, 128, 8192, pyr, 2, "embedded") == 28 * peak * per_layer_token
+    with pytest.raises(ValueError, match="--kv-budget-schedule=pyramid: SGLang"):
+        peak_kv_bytes(shape, 128, 8192, pyr, 2, "sglang")
+    common = dict(gpu_bytes=80 * GIB, mem_fraction_static=0.8, dtype_bytes=2, prompt_len=128, max_new_tokens=8192)
+    assert plan_rollout(shape, kv=pyr, engine="paged", **common).peak_slots == peak
+    # the peak per layer under the schedule equals a step-by-step simulation of the row (kv.schedule)
+    explicit = KVCompressConfig(method="rkv", budget=16, buffer=4, window=2, budget_schedule="explicit",
+                                layer_budgets=(30, 16, 6))
+    fills, peaks = [5, 5, 5], [5, 5, 5]
+    for _ in range(80 - 1):
+        if max(fills) >= 30 + 4:
+            fills = [min(f, b) for f, b in zip(fills, (30, 16, 6))]
+        fills = [f + 1 for f in fills]
+        peaks = [max(p, f) for p, f in zip(peaks, fills)]
+    assert layer_peak_slots(5, 80, explicit, 3) == tuple(peaks) == (34, 34, 34)

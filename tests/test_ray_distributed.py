@@ -29,7 +29,7 @@ from slime_sparse.ray.learner_group import LearnerFailure, RayLearnerGroup  # no
 from slime_sparse.ray.placement import RayCluster  # noqa: E402
 from slime_sparse.ray.rollout_group import EngineWorker, RayRolloutGroup  # noqa: E402
 from slime_sparse.ray.utils import get  # noqa: E402
-from slime_sparse.ray.weight_sync import (  # noqa: E402
+from slime_sparse.utils.weight_sync import (  # noqa: E402
     ALIGN, new_group, pack, plan_buckets, receive_weights, send_weights, unpack,
 )
 from slime_sparse.rollout.sampling import SamplingParams  # noqa: E402
@@ -89,7 +89,7 @@ def test_bad_cluster_flags_name_the_flag(tmp_path, flags, flag):
 def test_ray_stays_optional():
     """Without ray importable, the package, the config and the embedded loop still import."""
     code = ("import sys; sys.modules['ray'] = None\n"
-            "import slime_sparse.components, slime_sparse.train, slime_sparse.ray.layout, slime_sparse.ray.weight_sync")
+            "import slime_sparse.components, slime_sparse.train, slime_sparse.ray.layout, slime_sparse.utils.weight_sync")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 

@@ -27,7 +27,7 @@ from slime_sparse.ray.build import build_ray_backends  # noqa: E402
 from slime_sparse.ray.layout import ClusterLayout  # noqa: E402
 from slime_sparse.ray.placement import RayCluster  # noqa: E402
 from slime_sparse.ray.rollout_group import RayRolloutGroup, bundle_gpu_ids, engine_gpu_ids  # noqa: E402
-from slime_sparse.ray.weight_sync import flat_plan  # noqa: E402
+from slime_sparse.utils.weight_sync import flat_plan  # noqa: E402
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed  # noqa: E402
 from slime_sparse.rollout.sglang.client import DENSE_REQUEST_PARAM  # noqa: E402
 from slime_sparse.rollout.sglang.worker import SGLangEngineWorker, check_ray_layout, engine_config  # noqa: E402
@@ -87,9 +87,6 @@ def test_ray_layout_checks_name_the_flags(tiny_assets):
     three = dataclasses.replace(launching, sglang=dataclasses.replace(launching.sglang, num_servers=3))
     with pytest.raises(ValueError, match="--sglang-num-servers=3"):
         check_ray_layout(three, num_engines=2, servers_per_engine=2, colocate=False, use_gpu=True)
-    per_head = dataclasses.replace(cfg, kv=dataclasses.replace(cfg.kv, granularity="head"))
-    with pytest.raises(ValueError, match="--kv-granularity"):
-        check_ray_layout(per_head, num_engines=2, servers_per_engine=1, colocate=False, use_gpu=False)
 
     # engine 1 of 2 x 2 servers: its own URLs; launching, ports past engine 0's and its GPUs
     four = dataclasses.replace(cfg, sglang=dataclasses.replace(cfg.sglang, server_urls=("http://a:1", "http://b:2",

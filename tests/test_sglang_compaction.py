@@ -311,10 +311,14 @@ class MiniScheduler:
 
 RKV = KVCompressConfig(method="rkv", budget=16, buffer=4, window=4, n_sink=2, granularity="model")
 SNAP = KVCompressConfig(method="snapkv", budget=12, buffer=3, window=3, kernel_size=3, granularity="model")
+# the newer methods and a preset, through the same plugin code (keys only; kvpress's conventions, window narrowed)
+KEYDIFF = KVCompressConfig(method="keydiff", budget=12, buffer=4, window=2, granularity="model")
+SNAP_KVPRESS = KVCompressConfig.from_preset("kvpress", method="snapkv", budget=12, buffer=3, window=3, kernel_size=3,
+                                            granularity="model")
 
 
 @pytest.mark.parametrize("make_pools", POOLS)
-@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+@pytest.mark.parametrize("cfg", [RKV, SNAP, KEYDIFF, SNAP_KVPRESS], ids=["rkv", "snapkv", "keydiff", "snapkv-kvpress"])
 def test_decode_loop_compacts_like_the_reference_without_leaks(make_pools, cfg):
     prompt_lens = [5, 23, 14]  # below, above and between budget and budget + buffer
     sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens)), prompt_lens)
@@ -403,7 +407,7 @@ def test_reset_request_and_runtime_reset():
     assert sched.runtime.counters.compressions == 0
 
 
-@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+@pytest.mark.parametrize("cfg", [RKV, SNAP, KEYDIFF, SNAP_KVPRESS], ids=["rkv", "snapkv", "keydiff", "snapkv-kvpress"])
 def test_a_request_that_opts_out_keeps_its_whole_cache_beside_compressed_ones(cfg):
     """Dense evaluation on a compressing server: the flagged request is never compacted, its neighbour in the same
     batch is, and the pool stays consistent for both."""
@@ -428,7 +432,7 @@ def test_a_request_that_opts_out_keeps_its_whole_cache_beside_compressed_ones(cf
 # Eviction events shipped in meta_info (sglang_patches.evictions) -> the learner's EvictionRecord
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("make_pools", POOLS)
-@pytest.mark.parametrize("cfg", [RKV, SNAP], ids=["rkv", "snapkv"])
+@pytest.mark.parametrize("cfg", [RKV, SNAP, KEYDIFF, SNAP_KVPRESS], ids=["rkv", "snapkv", "keydiff", "snapkv-kvpress"])
 def test_shipped_evictions_are_what_the_compaction_kept_and_what_each_token_read(make_pools, cfg):
     prompt_lens = [5, 23, 14]  # snapkv cuts the 23-token prompt at the first decode step
     sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens), seed=7), prompt_lens)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from sglang_fakes import FakeSGLang, join_like_sglang, receive_flattened_bucket
 
 from sglang_patches.source import fetch_sglang_source
-from slime_sparse.ray.weight_sync import (
+from slime_sparse.utils.weight_sync import (
     FlatPlan,
     flat_plan,
     layout_of,

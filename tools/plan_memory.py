@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-budget", type=int, default=512)
     parser.add_argument("--kv-buffer", type=int, default=128)
     parser.add_argument("--kv-window", type=int, default=8)
+    parser.add_argument("--kv-budget-schedule", choices=("uniform", "pyramid"), default=None,
+                        help="per-layer budgets (unset: the method's); non-uniform is planned for a paged engine "
+                             "with per-layer pages, which SGLang is not")
+    parser.add_argument("--kv-pyramid-beta", type=float, default=10.0)
     parser.add_argument("--learner-layouts", nargs="*", default=[], metavar="TPxPPxDP")
     parser.add_argument("--use-kl-loss", action="store_true", help="count the frozen reference model")
     args = parser.parse_args(argv)
@@ -51,28 +55,34 @@ def main(argv: list[str] | None = None) -> int:
     with open(path, encoding="utf-8") as f:
         shape = ModelShape.from_hf_config(json.load(f))
     kv = KVCompressConfig(method=args.kv_method, budget=args.kv_budget, buffer=args.kv_buffer, window=args.kv_window,
-                          granularity="model")
+                          granularity="model", budget_schedule=args.kv_budget_schedule,
+                          pyramid_beta=args.kv_pyramid_beta)
     kv.validate(prefix="--kv-")
+    engine = "sglang" if kv.schedule == "uniform" else "paged"
     common = dict(gpu_bytes=int(args.gpu_gib * GIB), mem_fraction_static=args.mem_fraction_static,
                   dtype_bytes=DTYPE_BYTES[args.dtype], prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens)
     dense = plan_rollout(shape, kv=None, **common)
-    sparse = plan_rollout(shape, kv=kv, **common)
+    sparse = plan_rollout(shape, kv=kv, engine=engine, **common)
 
     print(f"model: {shape.num_parameters() / 1e9:.2f}B parameters, {dense.weight_bytes / GIB:.1f} GiB of weights "
           f"({args.dtype}); KV {dense.kv_bytes_per_token / 1024:.1f} KiB per token")
     print(f"one SGLang server (TP 1): {args.gpu_gib:g} GiB x {args.mem_fraction_static} -> KV pool "
           f"{dense.kv_pool_bytes / GIB:.1f} GiB = {dense.kv_pool_tokens:,} tokens; requests of "
           f"{args.prompt_len} + {args.max_new_tokens} tokens\n")
-    label = f"{args.kv_method} B={args.kv_budget} b={args.kv_buffer}"
+    label = f"{args.kv_method} B={args.kv_budget} b={args.kv_buffer}" + (f" {kv.schedule}" if engine == "paged" else "")
+    if engine == "paged":
+        print(f"{label}: per-layer budgets, planned for a paged engine with per-layer pages (SGLang holds one slot "
+              "per token for every layer and refuses them); peak slots = its largest layer's\n")
     rows = [("peak KV slots per request", f"{dense.peak_slots:,}", f"{sparse.peak_slots:,}"),
             ("peak KV per request (MiB)", f"{dense.bytes_per_request / 2**20:,.1f}",
              f"{sparse.bytes_per_request / 2**20:,.1f}"),
             ("requests held at once", f"{dense.max_requests:,}", f"{sparse.max_requests:,}")]
-    print(f"{'':<30}{'dense':>14}{label:>26}")
+    width = max(26, len(label) + 2)
+    print(f"{'':<30}{'dense':>14}{label:>{width}}")
     for name, a, b in rows:
-        print(f"{name:<30}{a:>14}{b:>26}")
+        print(f"{name:<30}{a:>14}{b:>{width}}")
     if dense.max_requests:
-        print(f"{'concurrency gain':<30}{'1.00x':>14}{sparse.max_requests / dense.max_requests:>25.2f}x")
+        print(f"{'concurrency gain':<30}{'1.00x':>14}{sparse.max_requests / dense.max_requests:>{width - 1}.2f}x")
 
     if args.learner_layouts:
         print(f"\nMegatron learner per GPU (bf16 weights, fp32 grads, distributed Adam; activations not counted"

@@ -6,7 +6,8 @@
   layer whatever its budget, so they stay out of the pyramid), the last layer selects floor(S / beta) and the first
   2S - floor(S / beta), the others linearly in between; every layer then adds its window and sinks. The mean over
   layers is exactly B (pairs of layers equidistant from the middle sum to 2B; rounding is mirrored so it stays
-  so), so a pyramid run holds the same KV memory as a uniform one in a paged engine with per-layer pages, and the
+  so), so a pyramid run keeps as many KV tokens as a uniform one once compressing (schedule.py: before the first
+  compression every layer fills to the largest budget + buffer), and the
   largest budget 2S - floor(S / beta) + window + sinks does not depend on the number of layers;
 - explicit: --kv-layer-budgets, one per layer.
 

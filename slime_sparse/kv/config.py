@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from .presets import PRESETS, preset_values
+
 
 @dataclass(frozen=True)
 class MethodTraits:
@@ -78,13 +80,13 @@ class KVCompressConfig:
     FLAG_PREFIX: ClassVar[str] = "--kv-"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.layer_budgets, tuple):  # a list from JSON / YAML
+            object.__setattr__(self, "layer_budgets", tuple(self.layer_budgets))
         if not self.preset:
             object.__setattr__(self, "preset", self.equal_preset())
 
     def equal_preset(self) -> str:
         """The preset that covers this method and whose knobs these all equal, or "custom"."""
-        from .presets import PRESETS, preset_values
-
         return next((name for name, p in PRESETS.items() if (self.method in p.methods or not self.enabled)
                      and all(getattr(self, k) == v for k, v in preset_values(name).items())), "custom")
 
@@ -100,10 +102,13 @@ class KVCompressConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> "KVCompressConfig":
         """A preset's knobs (presets.py) with some overridden; the result is validated."""
-        from .presets import PRESETS, preset_values
-
         if name not in PRESETS:
             raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: choose one of {tuple(PRESETS)}")
+        method = overrides.get("method", cls.method)
+        if method != "none" and method not in PRESETS[name].methods:
+            covering = [n for n, p in PRESETS.items() if method in p.methods]
+            raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: has no settings for "
+                             f"{cls.FLAG_PREFIX}method={method} (presets that do: {covering or 'none'})")
         known = {f.name for f in dataclasses.fields(cls)} - {"preset"}
         unknown = sorted(set(overrides) - known)
         if unknown:
@@ -170,19 +175,11 @@ class KVCompressConfig:
             # different slots, and no single ranking covers them
             bad("granularity", self.granularity, f"model needs one budget for every layer, not --kv-budget-schedule "
                 f"{self.schedule} (use head or layer)")
-        if self.preset != "custom":
-            from .presets import PRESETS
-
-            if self.preset not in PRESETS:
-                bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
-            if self.enabled and self.method not in PRESETS[self.preset].methods:
-                covering = [n for n, p in PRESETS.items() if self.method in p.methods]
-                bad("preset", self.preset, f"has no settings for --kv-method={self.method} (presets that do: "
-                    f"{covering or 'none'})")
+        if self.preset != "custom" and self.preset not in PRESETS:
+            bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
         protected = self.window + self.sinks
         if self.enabled and self.schedule == "explicit":
-            too_small = [b for b in self.layer_budgets if b <= protected]
-            if too_small:
-                bad("layer-budgets", self.layer_budgets, f"every budget must exceed window + sinks = {protected}")
+            if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
+                bad("layer-budgets", self.layer_budgets, f"every budget must be >= window + sinks = {protected}")
         elif self.enabled and self.budget <= protected:
             bad("budget", self.budget, f"must exceed window + sinks = {protected}")

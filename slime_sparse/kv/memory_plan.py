@@ -8,7 +8,13 @@ The rollout numbers follow the engines exactly where they can, through the budge
   capped by the dense value); the embedded engine prefills in chunks under the bound, so its slots per row
   are `schedule.row_capacity` = min(prompt + max_new, budget + buffer);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes, the layout of both
-  engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer.
+  engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer;
+- per-layer budgets (budgets.py): every layer fills to max_l B_l + buffer before the first compression (the
+  trigger is the fullest layer's, schedule.py), then layer l cycles in [B_l, B_l + buffer]. SGLang cannot hold them
+  (one slot per token for every layer: sglang_patches.settings refuses them); they are planned for the embedded
+  engine (a [layers, slots] row sized for the largest layer) and for a paged engine with per-layer pages ("paged":
+  the sum over layers of each layer's peak, which under this trigger is every layer at max_l B_l + buffer for a
+  sequence long enough to reach the first compression: a pyramid saves memory only between compressions).
 The learner numbers are the standard mixed-precision accounting (weights, fp32 gradients, fp32 master
 weights and Adam moments, the last two sharded over data parallelism by Megatron's distributed optimizer);
 activations depend on micro-batch shapes and recomputation and are left out.
@@ -18,8 +24,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .budgets import layer_budgets
 from .config import KVCompressConfig
 from .schedule import peak_slots, row_capacity
+
+ENGINES = ("sglang", "embedded", "paged")
 
 GIB = 1 << 30
 
@@ -74,16 +83,46 @@ class ModelShape:
 
 
 def peak_kv_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None, engine: str = "sglang") -> int:
-    """Most KV slots one request holds at any time on `engine` ("sglang" or "embedded")."""
-    if prompt_len < 1 or max_new_tokens < 1:
-        raise ValueError(f"prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
+    """Most KV slots one request holds at any time on `engine` ("sglang" or "embedded"), in its fullest layer."""
+    _check_lengths(prompt_len, max_new_tokens)
     kv = kv if kv is not None else KVCompressConfig(method="none")
     if engine == "embedded":
         return row_capacity(kv, prompt_len + max_new_tokens)
     if engine != "sglang":
         raise ValueError(f"engine must be 'sglang' or 'embedded', got {engine!r}")
+    if kv.enabled and kv.schedule != "uniform":
+        raise ValueError(f"--kv-budget-schedule={kv.schedule}: SGLang holds one budget for every layer (plan "
+                         "per-layer budgets with engine 'paged')")
     # the prompt's prefill writes it at once and samples the first token; each decode step writes one slot
     return peak_slots(prompt_len, max_new_tokens - 1, kv, first_decode=True)
+
+
+def layer_peak_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
+                     num_layers: int) -> tuple[int, ...]:
+    """Most KV slots each layer of one request holds, prefilled at once as SGLang does (a paged engine)."""
+    _check_lengths(prompt_len, max_new_tokens)
+    if kv is None or not kv.enabled:
+        return (prompt_len + max_new_tokens - 1,) * num_layers
+    return tuple(peak_slots(prompt_len, max_new_tokens - 1, kv, first_decode=True, budget=b)
+                 for b in layer_budgets(kv, num_layers))
+
+
+def peak_kv_bytes(shape: "ModelShape", prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
+                  dtype_bytes: int, engine: str = "sglang") -> int:
+    """K and V bytes one request holds at its peak on `engine`: "sglang" (one slot per token for every layer),
+    "embedded" (a [layers, slots] row sized for the largest layer), or "paged" (per-layer pages, each layer its
+    own peak)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    per_layer_token = shape.kv_bytes_per_token(dtype_bytes) // shape.num_layers
+    if engine == "paged":
+        return sum(layer_peak_slots(prompt_len, max_new_tokens, kv, shape.num_layers)) * per_layer_token
+    return peak_kv_slots(prompt_len, max_new_tokens, kv, engine) * shape.kv_bytes_per_token(dtype_bytes)
+
+
+def _check_lengths(prompt_len: int, max_new_tokens: int) -> None:
+    if prompt_len < 1 or max_new_tokens < 1:
+        raise ValueError(f"prompt_len={prompt_len} and max_new_tokens={max_new_tokens} must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -91,7 +130,7 @@ class RolloutPlan:
     weight_bytes: int
     kv_pool_bytes: int  # what SGLang's static memory leaves for the KV pool (and our query rings)
     kv_bytes_per_token: int
-    peak_slots: int  # per request
+    peak_slots: int  # per request, in its fullest layer
     bytes_per_request: int  # its peak KV, plus its query ring when compressing
     max_requests: int  # requests whose peak fits the pool at once
 
@@ -101,8 +140,10 @@ class RolloutPlan:
 
 
 def plan_rollout(shape: ModelShape, *, gpu_bytes: int, mem_fraction_static: float, dtype_bytes: int,
-                 prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None) -> RolloutPlan:
-    """One TP-1 SGLang server: SGLang keeps `mem_fraction_static` of the GPU for weights + KV pool."""
+                 prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
+                 engine: str = "sglang") -> RolloutPlan:
+    """One TP-1 server keeping `mem_fraction_static` of the GPU for weights + KV pool: SGLang, or (engine "paged")
+    a paged engine with per-layer pages, the one per-layer budgets need."""
     if not 0 < mem_fraction_static <= 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1], got {mem_fraction_static}")
     weights = shape.num_parameters() * dtype_bytes
@@ -111,8 +152,11 @@ def plan_rollout(shape: ModelShape, *, gpu_bytes: int, mem_fraction_static: floa
         raise ValueError(f"the weights ({weights / GIB:.1f} GiB) do not fit in {mem_fraction_static} of "
                          f"{gpu_bytes / GIB:.1f} GiB")
     per_token = shape.kv_bytes_per_token(dtype_bytes)
-    peak = peak_kv_slots(prompt_len, max_new_tokens, kv)
-    per_request = peak * per_token
+    if engine == "paged":
+        peak = max(layer_peak_slots(prompt_len, max_new_tokens, kv, shape.num_layers))
+    else:
+        peak = peak_kv_slots(prompt_len, max_new_tokens, kv, engine)
+    per_request = peak_kv_bytes(shape, prompt_len, max_new_tokens, kv, dtype_bytes, engine)
     if kv is not None and kv.enabled:
         per_request += shape.query_ring_bytes(kv.window, dtype_bytes)
     return RolloutPlan(weights, pool, per_token, peak, per_request, pool // per_request)

@@ -15,7 +15,7 @@ Known differences from the references that no knob reproduces (deliberate, one r
   `fix_obs_window=True`); ours over every slot, causally, as SnapKV's paper and kvpress do (R-KV's importance
   does normalise over the scored slots, as R-KV and the fork);
 - the fork's PyramidKV budgets average B - window (its layer budget re-counts the window inside the pyramid);
-  ours average exactly B (kv/budgets.py), so pyramid and uniform rows compare at equal memory;
+  ours average exactly B (kv/budgets.py), so pyramid and uniform rows compare at an equal mean budget;
 - the fork constructs its KVCluster without num_hidden_layers / layer_idx (tp_worker.py below), so its pyramidkv
   branch cannot run as shipped: `pyramid_beta` 10 is read from its code, not from a run.
 """

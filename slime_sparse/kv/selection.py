@@ -57,8 +57,8 @@ def compress_indices(
 
     Lists hold one entry per layer (see `score_layer` for shapes). Leading batch dimensions broadcast: keys
     [..., Hkv, n, d] (e.g. the rows of an engine that compress together, every one holding the same n slots in a
-    layer) give kept [..., Hkv, B_l], each entry what it would keep alone. budget: one int for every layer, or one per
-    layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule (uniform: cfg.budget everywhere).
+    layer) give kept [..., Hkv, B_l], each entry what it would keep alone. budget: one int for every layer (uniform
+    schedules only), or one per layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule.
     Granularity (cfg.granularity):
     - 'head':  every KV head of every layer selects on its own scores;
     - 'layer': one set per layer from the mean of its heads' scores (`reduce_heads`), shared by its heads;
@@ -106,6 +106,9 @@ def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_laye
     if budget is None:
         return layer_budgets(cfg, n_layers)
     if isinstance(budget, int):
+        if cfg.schedule != "uniform":  # an engine that keeps one budget per row would silently run uniform
+            raise ValueError(f"one budget ({budget}) for every layer, but --kv-budget-schedule={cfg.schedule}: pass "
+                             "the per-layer budgets (budget=None takes them from the config)")
         return (budget,) * n_layers
     budgets = tuple(int(b) for b in budget)
     if len(budgets) != n_layers:

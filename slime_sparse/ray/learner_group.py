@@ -36,7 +36,7 @@ from slime_sparse.utils.seed import set_seed
 
 from .placement import RayCluster
 from .utils import ActorDied, get_each
-from .weight_sync import Bucket, FlatPlan, new_group, open_store, plan_buckets, send_weights
+from slime_sparse.utils.weight_sync import Bucket, FlatPlan, new_group, open_store, plan_buckets, send_weights
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
 - Faults: an engine actor that dies while serving a shard is replaced by a new actor in the same bundle,
   given the current weights, and sent that shard again (at most --rollout-max-restarts per call).
 - Weights: `sync_from(learner_group)` moves the learner's weights to every engine without passing
-  through the driver: broadcast from learner rank 0 over a torch.distributed group (weight_sync.py) whose
+  through the driver: broadcast from learner rank 0 over a torch.distributed group (utils/weight_sync.py) whose
   other members are the engine actors, or the SGLang servers themselves; or in "tensor" mode (colocated
   default) through the object store. `update_weights(state_dict)` pushes a driver-side state dict. Every
   sync carries a version that both ends check.
@@ -37,7 +37,7 @@ from slime_sparse.utils.device import dist_backend
 from .layout import split_contiguous
 from .placement import RayCluster
 from .utils import get, get_each
-from .weight_sync import Bucket, FlatPlan, flat_plan, layout_of, new_group, receive_weights, require_newer
+from slime_sparse.utils.weight_sync import Bucket, FlatPlan, flat_plan, layout_of, new_group, receive_weights, require_newer
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ def engine_gpu_ids(per_bundle: list[tuple[str, list[int]]], engine: int) -> list
 class EngineWorker:
     """One embedded rollout engine in a Ray actor (SGLang engines: rollout/sglang/worker.py, same calls)."""
 
-    # the weight plan it receives: header + aligned buckets (weight_sync.py)
+    # the weight plan it receives: header + aligned buckets (utils/weight_sync.py)
     sync_format = "framed"
 
     def __init__(self, spec: EngineSpec, index: int, timeout_s: float) -> None:

@@ -6,7 +6,7 @@ the embedded engine. A request may opt out of the servers' compression (dense ev
 Weight updates: pause generation, load the new weights into every server, flush the KV cache (stale under new
 weights; this also resets the plugin's query rings), continue. Three ways to load them:
 - DistributedWeightSync: this process owns the weights and broadcasts them to the servers, which are members of
-  one torch.distributed group with it (slime_sparse.ray.weight_sync, in SGLang's flattened-bucket format);
+  one torch.distributed group with it (slime_sparse.utils.weight_sync, in SGLang's flattened-bucket format);
 - load_from_distributed: the receiving half alone, inside `paused_update`, when the broadcast comes from another
   process (learner rank 0 under Ray: slime_sparse.rollout.sglang.worker);
 - TensorWeightSync: the tensors themselves in HTTP requests (update_weights_from_tensor).
@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 import torch
 
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.ray.weight_sync import FlatPlan, flat_plan, new_group, open_store, require_newer, send_weights
+from slime_sparse.utils.weight_sync import FlatPlan, flat_plan, new_group, open_store, require_newer, send_weights
 from slime_sparse.rollout.base import KVView
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput

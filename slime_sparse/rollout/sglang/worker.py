@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.ray.weight_sync import FlatPlan, require_newer
+from slime_sparse.utils.weight_sync import FlatPlan, require_newer
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 
@@ -38,10 +38,7 @@ logger = logging.getLogger(__name__)
 
 def check_ray_layout(spec, *, num_engines: int, servers_per_engine: int, colocate: bool, use_gpu: bool) -> None:
     """Raise ValueError (naming the flags) unless the engines' `sglang` section (of a factory.EngineSpec) fits the
-    Ray layout."""
-    from sglang_patches.settings import check_sglang_kv_config
-
-    check_sglang_kv_config(spec.kv)
+    Ray layout. (The KV settings were checked for SGLang at config load: RunConfig.validate.)"""
     sg: SGLangEngineConfig = spec.sglang
     sg.validate()
     n = servers_per_engine
@@ -89,7 +86,7 @@ class SGLangEngineWorker:
     many it runs (--rollout-num-gpus-per-engine); `gpu_ids`: the GPUs of the engine's bundles (RayRolloutGroup asks
     Ray for them), one server each; unused when attaching to --sglang-server-urls."""
 
-    # the weight plan its servers receive: SGLang's flattened buckets, no header (slime_sparse.ray.weight_sync)
+    # the weight plan its servers receive: SGLang's flattened buckets, no header (slime_sparse.utils.weight_sync)
     sync_format = "flat"
 
     def __init__(self, spec, index: int, timeout_s: float, *, servers: int = 1,

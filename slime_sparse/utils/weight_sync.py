@@ -1,5 +1,9 @@
 """Learner -> rollout engine weight sync over a torch.distributed group: bucket plan, packing, both ends.
 
+The wire protocol only (torch.distributed, no Ray): it sits here, beside `device.dist_backend`, so that the Ray
+orchestrator (slime_sparse/ray/), the SGLang engine and its Ray worker all import it from below and no rollout
+engine imports the orchestrator (tests/test_layering.py).
+
 The sync group holds learner rank 0 (sync rank 0, the source) and every receiving process (ranks 1..N):
 embedded engine actors, or the SGLang servers themselves. It is a standalone process group built on its
 own TCPStore, not a subgroup of the learners' default group: learner rank 0 belongs to both, and the

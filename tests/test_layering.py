@@ -1,0 +1,69 @@
+"""The shape of the house (design.md section 6), read from the source with `ast`: which of our packages each layer
+may import. Every import counts, at module level or inside a function (a lazy import is still a dependency)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def our_imports(path: Path, source: str | None = None) -> set[str]:
+    """Absolute names of the slime_sparse / sglang_patches modules that `path` imports (relative ones resolved);
+    `source`: the module's text, if not the file's."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    text = path.read_text(encoding="utf-8") if source is None else source
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.split(".")[0] in ("slime_sparse", "sglang_patches")}
+
+
+def modules(folder: str) -> list[Path]:
+    return sorted((ROOT / folder).rglob("*.py"))
+
+
+def offenders(folder: str, forbidden) -> dict[str, list[str]]:
+    found = {}
+    for path in modules(folder):
+        bad = sorted(n for n in our_imports(path) if forbidden(n))
+        if bad:
+            found[str(path.relative_to(ROOT))] = bad
+    return found
+
+
+def test_no_rollout_engine_imports_the_orchestrator():
+    assert modules("slime_sparse/rollout")
+    assert offenders("slime_sparse/rollout", lambda n: n == "slime_sparse.ray" or n.startswith("slime_sparse.ray.")) == {}
+
+
+@pytest.mark.parametrize("folder,allowed", [
+    ("slime_sparse/kv", ("slime_sparse.kv",)),
+    ("sglang_patches", ("sglang_patches", "slime_sparse.kv")),
+    ("slime_sparse/utils/weight_sync.py", ()),
+])
+def test_lower_layers_import_only_below(folder, allowed):
+    paths = [ROOT / folder] if folder.endswith(".py") else modules(folder)
+    bad = {str(p.relative_to(ROOT)): sorted(n for n in our_imports(p)
+                                            if not any(n == a or n.startswith(a + ".") for a in allowed))
+           for p in paths}
+    assert {p: names for p, names in bad.items() if names} == {}
+
+
+def test_the_checker_sees_relative_and_lazy_imports():
+    """The check above can fail: a relative import two levels up and an import inside a function are both found."""
+    probe = ROOT / "slime_sparse" / "rollout" / "sglang" / "probe.py"  # never written: its text is given
+    text = "def f():\n    from ...ray import placement\n    import slime_sparse.ray.layout\nfrom .config import X\n"
+    assert our_imports(probe, text) == {"slime_sparse.ray", "slime_sparse.ray.placement", "slime_sparse.ray.layout",
+                                        "slime_sparse.rollout.sglang.config", "slime_sparse.rollout.sglang.config.X"}
