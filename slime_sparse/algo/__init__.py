@@ -1,12 +1,21 @@
 """The Sparse-RL objective, shared by every backend: pure torch, no engine or learner imports.
 
 - advantages: GRPO / Dr.GRPO group-normalised advantages.
-- correction: sparsity-consistency weights xi = pi_old / pi_sparse and rejection (presets none/paper/mis).
+- correction: the rollout-correction algebra (weights at token / sequence / geometric level, truncate or mask,
+  rejection statistics, veto, OPSM, batch normalisation, bypass) and its presets (ours and verl's).
 - loss: clipped PPO surrogate with xi outside the clip, KL and entropy terms, slime's aggregation modes.
-- metrics: sampler/learner mismatch diagnostics and KV-cache savings.
+- metrics: sampler/learner mismatch diagnostics (total and its sparsity / numeric split), their alarms, KV savings.
 """
 from slime_sparse.algo.advantages import broadcast_to_tokens, grpo_advantages
-from slime_sparse.algo.correction import PRESETS, CorrectionConfig, CorrectionResult, sparsity_correction
+from slime_sparse.algo.correction import (
+    ALL_PRESETS,
+    PRESETS,
+    RS_OPTIONS,
+    VERL_PRESETS,
+    CorrectionConfig,
+    CorrectionResult,
+    sparsity_correction,
+)
 from slime_sparse.algo.loss import (
     AGG_MODES,
     KL_TYPES,
@@ -17,23 +26,38 @@ from slime_sparse.algo.loss import (
     kl_estimate,
     policy_loss,
 )
-from slime_sparse.algo.metrics import kv_metrics, mismatch_metrics, shadow_metrics
+from slime_sparse.algo.metrics import (
+    MISMATCH_ALARMS,
+    crossed_alarms,
+    kv_metrics,
+    log_ratio_stats,
+    mismatch_metrics,
+    mismatch_split_metrics,
+    shadow_metrics,
+)
 
 __all__ = [
     "AGG_MODES",
+    "ALL_PRESETS",
     "KL_TYPES",
     "LOSS_TYPES",
+    "MISMATCH_ALARMS",
     "PRESETS",
+    "RS_OPTIONS",
+    "VERL_PRESETS",
     "CorrectionConfig",
     "CorrectionResult",
     "LossConfig",
     "aggregate",
     "broadcast_to_tokens",
     "categorical_kl",
+    "crossed_alarms",
     "grpo_advantages",
     "kl_estimate",
     "kv_metrics",
+    "log_ratio_stats",
     "mismatch_metrics",
+    "mismatch_split_metrics",
     "policy_loss",
     "shadow_metrics",
     "sparsity_correction",

@@ -5,7 +5,9 @@ log xi_t = logp_old_t - logp_sparse_t.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -31,27 +33,93 @@ def mismatch_inputs(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> tupl
     return logp_old.detach().to(dtype), logp_sparse.detach().to(dtype), mask > 0
 
 
-def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dict[str, float]:
+def quantile(values: Tensor, q: float) -> Tensor:
+    """The q-quantile of a 1-D tensor, linearly interpolated between order statistics (numpy's and torch.quantile's
+    default); 0 for an empty one. A sort, so no size limit (torch.quantile stops at 2^24 elements)."""
+    if values.numel() == 0:
+        return torch.zeros((), dtype=values.dtype, device=values.device)
+    ordered = values.flatten().sort().values
+    pos = q * (ordered.numel() - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, ordered.numel() - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def log_ratio_stats(log_ratio: Tensor, valid: Tensor, *, token_bounds: tuple[float | None, float | None] = (0.5, 1.5),
+                    veto: float = 1e-4) -> dict[str, Tensor]:
+    """The statistics every mismatch part is logged with, from a per-token log ratio l = log(p / q) of the sampled
+    tokens (q: the policy that sampled them) over the `valid` [B, T] tokens (`log_ratio` finite there). For the
+    total, p / q = xi = pi_old / pi_sparse; for a part of it, that part's ratio.
+
+        k1            mean(-l)                     KL(q || p), k1 estimator
+        k3            mean(e^l - 1 - l)            the same KL, k3 estimator (>= 0, lower variance)
+        abs_log_xi    mean |l|                     slime's train_rollout_logprob_abs_diff, token mean
+        abs_log_xi_p99, abs_log_xi_p999            99th / 99.9th percentile of |l| (the tail a mask acts on)
+        xi_p5         5th percentile of e^l        Sparrow's tail statistic (stable runs keep it >= 0.86)
+        chi2_token    mean(e^{2l}) - 1             chi^2(p || q) per token
+        chi2_seq      mean over sequences of e^{2 sum_t l} - 1
+        token_mask_frac   share of tokens with e^l outside `token_bounds` (what that token mask would reject)
+        veto_seq_frac     share of sequences with some e^l < `veto` (what that veto would reject)
+    l is clamped to [-20, 20] before exp (the sum of a sequence after summing), so one absurd token cannot make
+    a metric inf; the veto reads the raw l. With no valid token every value is 0."""
+    f = log_ratio.dtype
+    zero = torch.zeros((), dtype=f, device=log_ratio.device)
+    l = torch.where(valid, log_ratio, zero)  # noqa: E741
+    n = valid.sum().to(f)
+
+    def mean(x: Tensor) -> Tensor:
+        return torch.where(valid, x, zero).sum() / n.clamp_min(1.0)
+
+    lc = l.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(lc)
+    seq_has = valid.any(dim=-1)
+    n_seq = seq_has.sum().to(f)
+    chi2_seq_each = torch.exp(2.0 * l.sum(dim=-1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)) - 1.0
+    low, high = token_bounds
+    outside = torch.zeros_like(valid)
+    if low is not None:
+        outside = outside | (ratio < low)
+    if high is not None:
+        outside = outside | (ratio > high)
+    vetoed = (valid & (l < math.log(veto))).any(dim=-1)
+    abs_l = l.abs()[valid]
+    return {
+        "k1": mean(-l),
+        "k3": mean(ratio - 1.0 - lc),
+        "abs_log_xi": mean(l.abs()),
+        "abs_log_xi_p99": quantile(abs_l, 0.99),
+        "abs_log_xi_p999": quantile(abs_l, 0.999),
+        "xi_p5": torch.exp(quantile(lc[valid], 0.05)) if bool(valid.any()) else zero,  # exp is monotone
+        "chi2_token": torch.where(n > 0, mean(ratio * ratio) - 1.0, zero),
+        "chi2_seq": torch.where(seq_has, chi2_seq_each, zero).sum() / n_seq.clamp_min(1.0),
+        "token_mask_frac": mean(outside.to(f)),
+        "veto_seq_frac": vetoed.sum().to(f) / n_seq.clamp_min(1.0),
+    }
+
+
+def _floats(values: dict[str, Tensor], prefix: str) -> dict[str, float]:
+    floats = torch.stack([v.reshape(()).to(torch.float64) for v in values.values()]).tolist()  # one transfer
+    return {prefix + k: x for k, x in zip(values.keys(), floats)}
+
+
+def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, *,
+                     token_bounds: tuple[float | None, float | None] = (0.5, 1.5), veto: float = 1e-4
+                     ) -> dict[str, float]:
     """How far the sampler (pi_sparse) is from the dense policy (pi_old) on the sampled tokens.
 
-    All means are token means over the positions where `mask` > 0 and both log-probs are finite;
-    other positions (padding, rejected or non-finite tokens) are ignored and the count of masked
-    non-finite ones is reported. With no usable token every mean is taken as 0 (perplexities 1).
+    Token statistics over the positions where `mask` > 0 and both log-probs are finite; other positions
+    (padding, non-finite tokens) are ignored and the count of masked non-finite ones is reported. With no
+    usable token every statistic is 0 (perplexities 1).
 
-        mismatch/k1          mean(-log xi)                  KL(pi_sparse || pi_old), k1 estimator
-        mismatch/k3          mean(xi - 1 - log xi)          same KL, k3 estimator (>= 0, lower variance)
-        mismatch/abs_log_xi  mean(|log xi|)
-        mismatch/chi2_token  mean(xi^2) - 1                 chi^2(pi_old || pi_sparse) per token
-        mismatch/chi2_seq    mean_seq exp(2 * clamp(sum_t log xi, -20, 20)) - 1
-                                                            chi^2 of the whole-sequence ratio, as slime
-                                                            logs it; over sequences with a usable token
+        mismatch/<stat>      `log_ratio_stats` of log xi = logp_old - logp_sparse: k1, k3, abs_log_xi, its p99
+                             and p99.9, xi_p5, chi2_token, chi2_seq (as slime logs it), token_mask_frac,
+                             veto_seq_frac (`token_bounds`, `veto`: the run's, see CorrectionConfig.diagnostic_bounds)
         mismatch/sampler_ppl exp(-mean logp_sparse)
         mismatch/learner_ppl exp(-mean logp_old)
         mismatch/tokens, mismatch/nonfinite_tokens
 
-    In k3 and chi2_token, log xi is clamped to [-20, 20] before exp so one absurd token cannot make
-    the metric inf; sums are taken in float64 (finite log-probs of any float32 magnitude add up without
-    overflow) and the perplexities saturate at exp(700).
+    Sums are taken in float64 (finite log-probs of any float32 magnitude add up without overflow) and the
+    perplexities saturate at exp(700).
     """
     old, sparse, on = mismatch_inputs(logp_old, logp_sparse, mask)
     old, sparse = old.double(), sparse.double()
@@ -62,34 +130,76 @@ def mismatch_metrics(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor) -> dic
     old = torch.where(valid, old, zero)
     sparse = torch.where(valid, sparse, zero)
     n = valid.sum().to(f)
+    values = log_ratio_stats(old - sparse, valid, token_bounds=token_bounds, veto=veto)
+    values.update({
+        "sampler_ppl": torch.exp((-sparse.sum() / n.clamp_min(1.0)).clamp(max=_MAX_LOG_PPL)),
+        "learner_ppl": torch.exp((-old.sum() / n.clamp_min(1.0)).clamp(max=_MAX_LOG_PPL)),
+        "tokens": n,
+        "nonfinite_tokens": (on & ~finite).sum().to(f),
+    })
+    return _floats(values, "mismatch/")
 
-    def mean(x: Tensor) -> Tensor:
-        return torch.where(valid, x, zero).sum() / n.clamp_min(1.0)
 
-    log_xi = old - sparse
-    log_xi_c = log_xi.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    xi_c = torch.exp(log_xi_c)
+def mismatch_split_metrics(logp_old: Tensor, logp_shadow: Tensor, logp_sparse: Tensor, mask: Tensor, *,
+                           token_bounds: tuple[float | None, float | None] = (0.5, 1.5), veto: float = 1e-4
+                           ) -> dict[str, float]:
+    """The mismatch split in its two parts, per token:
 
-    seq_has = valid.any(dim=-1)
-    seq_log_ratio = log_xi.sum(dim=-1).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    chi2_seq_each = torch.exp(2.0 * seq_log_ratio) - 1.0
-    n_seq = seq_has.sum().to(f)
-    chi2_seq = torch.where(seq_has, chi2_seq_each, zero).sum() / n_seq.clamp_min(1.0)
+        log xi = [logp_old - logp_shadow] + [logp_shadow - logp_sparse]
+                  sparsity: what the eviction    numeric: the learner's recompute under the sampler's own
+                  changes (dense vs shadow)      eviction mask vs the sampler itself (kernels, precision)
 
-    has_tokens = n > 0
-    values = {
-        "mismatch/k1": mean(-log_xi),
-        "mismatch/k3": mean(xi_c - 1.0 - log_xi_c),
-        "mismatch/abs_log_xi": mean(log_xi.abs()),
-        "mismatch/chi2_token": torch.where(has_tokens, mean(xi_c * xi_c) - 1.0, zero),
-        "mismatch/chi2_seq": chi2_seq,
-        "mismatch/sampler_ppl": torch.exp((-mean(sparse)).clamp(max=_MAX_LOG_PPL)),
-        "mismatch/learner_ppl": torch.exp((-mean(old)).clamp(max=_MAX_LOG_PPL)),
-        "mismatch/tokens": n,
-        "mismatch/nonfinite_tokens": (on & ~finite).sum().to(f),
-    }
-    floats = torch.stack([v.reshape(()) for v in values.values()]).tolist()
-    return dict(zip(values.keys(), floats))
+    each part logged with `log_ratio_stats` as mismatch/sparsity/<stat> and mismatch/numeric/<stat> (the total is
+    mismatch/<stat>, `mismatch_metrics`), over the masked tokens where all three log-probs are finite. k1 adds up:
+    k1 = sparsity k1 + numeric k1 over the same tokens; the other statistics do not (they are not linear)."""
+    if not (logp_shadow.shape == logp_old.shape):
+        raise ValueError(f"logp_shadow must have shape {tuple(logp_old.shape)}, got {tuple(logp_shadow.shape)}")
+    old, sparse, on = mismatch_inputs(logp_old, logp_sparse, mask)
+    shadow = logp_shadow.detach().to(old.dtype)
+    old, shadow, sparse = old.double(), shadow.double(), sparse.double()
+    valid = on & torch.isfinite(old) & torch.isfinite(shadow) & torch.isfinite(sparse)
+    zero = torch.zeros((), dtype=old.dtype, device=old.device)
+    part = lambda a, b: torch.where(valid, a - b, zero)  # noqa: E731
+    kw = dict(token_bounds=token_bounds, veto=veto)
+    return {**_floats(log_ratio_stats(part(old, shadow), valid, **kw), "mismatch/sparsity/"),
+            **_floats(log_ratio_stats(part(shadow, sparse), valid, **kw), "mismatch/numeric/")}
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """A documented alarm on a logged metric: it fires when the value leaves [low, high]."""
+
+    key: str
+    low: float
+    high: float
+    source: str  # who documents it
+
+    def crossed(self, value: float) -> bool:
+        return not (self.low <= value <= self.high)
+
+    def describe(self, value: float) -> str:
+        bounds = (f"outside [{self.low:g}, {self.high:g}]" if math.isfinite(self.low) and math.isfinite(self.high)
+                  else f"< {self.low:g}" if math.isfinite(self.low) else f"> {self.high:g}")
+        return f"{self.key} = {value:.4g} is {bounds} ({self.source})"
+
+
+# The alarms the peers document on these statistics (verl's rollout-correction troubleshooting guide, slime's CI,
+# Sparrow's paper); the training loop prints each the first time a rollout crosses it.
+MISMATCH_ALARMS: tuple[Alarm, ...] = (
+    Alarm("correction/is_mean", 0.5, 2.0, "verl: the IS weights' mean should stay near 1"),
+    Alarm("correction/is_ess", 0.3, math.inf, "verl: effective sample size of the IS weights"),
+    Alarm("correction/veto_seq_frac", -math.inf, 0.1, "verl: share of sequences the veto rejects"),
+    Alarm("mismatch/chi2_token", -math.inf, 1.0, "verl: per-token chi-square of pi_old against pi_sparse"),
+    Alarm("mismatch/k1", -0.1, 0.1, "verl: |KL| of the sampler against the learner"),
+    Alarm("mismatch/abs_log_xi", -math.inf, 0.1, "slime's CI bound on train_rollout_logprob_abs_diff"),
+    Alarm("mismatch/xi_p5", 0.86, math.inf, "Sparrow keeps the 5th percentile of pi_old / pi_sparse >= 0.86"),
+)
+
+
+def crossed_alarms(metrics: Mapping[str, float]) -> list[tuple[str, str]]:
+    """(key, description) of every alarm that `metrics` (one rollout's) crosses."""
+    return [(a.key, a.describe(metrics[a.key])) for a in MISMATCH_ALARMS
+            if a.key in metrics and math.isfinite(metrics[a.key]) and a.crossed(metrics[a.key])]
 
 
 def kv_metrics(stats: Sequence[KVStats]) -> dict[str, float]:
