@@ -310,10 +310,17 @@ class LogConfig:
     wandb_host: str | None = field(default=None, metadata={"help": (
         "W&B server URL (e.g. a local server); the API key comes from WANDB_API_KEY")})
     progress: bool = field(default=True, metadata={"help": "a progress bar over rollouts on stderr"})
+    mismatch_metrics_interval: int = field(default=1, metadata={"help": (
+        "rollouts between the mismatch diagnostics that cost an extra forward, from the first rollout on (0: "
+        "never): the split of the mismatch into its sparsity and numeric parts (mismatch/sparsity/*, "
+        "mismatch/numeric/*: one shadow forward under --loss-type sparse_rl, free under shadow / smd) and, under "
+        "--correction-bypass-mode without a rejection rule, the dense recompute itself (mismatch/*). slime's "
+        "--get-mismatch-metrics is 1. Cost: benchmarks/mismatch_split_cost.py")})
 
     def validate(self) -> None:
         if not self.run_dir:
             raise ValueError(f"{_flag(self, 'run_dir')} must not be empty")
+        _non_negative(self, "mismatch_metrics_interval")
         if self.wandb_mode is not None:
             _choice(self, "wandb_mode", WANDB_MODES)
         if not self.use_wandb:
@@ -438,6 +445,9 @@ class RunConfig:
         if self.loss.distills and self.train.train_backend != "embedded":
             raise ValueError(f"{flag_for('loss', 'loss_type')} smd needs {flag_for('train', 'train_backend')} embedded "
                              "(a dense and a shadow forward per micro-batch; Megatron's learner runs shadow only)")
+        if self.correction.bypass_mode and self.loss.trains_shadow:
+            raise ValueError(f"{flag_for('correction', 'bypass_mode')} with {flag_for('loss', 'loss_type')} "
+                             f"{self.loss.loss_type}: its PPO anchor is already the sampler's own policy (pi_shadow)")
         if self.megatron.load and self.train.train_backend != "megatron":
             raise ValueError(f"{flag_for('megatron', 'load')} (a Megatron checkpoint) needs "
                              f"{flag_for('train', 'train_backend')} megatron: the embedded learner starts from "

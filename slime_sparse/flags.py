@@ -6,7 +6,7 @@ The parser (slime_sparse.config) is built from these names, and section validato
 
 Two conventions from slime: a bool field whose flag starts with `--disable-` is a switch that turns it off
 (slime's `action="store_false"`); and `SPELLINGS` lists slime flags that have no field of their own but set
-fields of ours (`--use-tis` sets the correction knobs), so both spellings give the same config; `FIXED` lists
+fields of ours (`--use-tis`, `--use-opsm` set the correction knobs), so both spellings give the same config; `FIXED` lists
 slime flags we accept only at the one value that describes what we do (`--optimizer adam`).
 """
 from __future__ import annotations
@@ -86,6 +86,24 @@ SPELLINGS: dict[str, dict] = {
         # slime passes it to SGLang alone, leaving its learner's head in bf16: here both sides follow one flag
         "sets": {"train.enable_fp32_lm_head": True},
         "help": "SGLang's flag as slime users pass it: the same as --enable-fp32-lm-head (servers and learner alike)",
+    },
+    "--use-opsm": {
+        # slime's off-policy sequence masking, --opsm-delta 1e-4 by default
+        "sets": {"correction.opsm_delta": 1e-4},
+        "help": "slime's off-policy sequence masking: the same as --correction-opsm-delta 1e-4",
+    },
+    "--opsm-delta": {
+        "type": float, "sets": {"correction.opsm_delta": ARG}, "needs": "--use-opsm",
+        "help": "OPSM's KL bound (slime's default 1e-4): the same as --correction-opsm-delta",
+    },
+    "--use-rollout-logprobs": {
+        "sets": {"correction.bypass_mode": True},
+        "help": "slime's: the PPO anchor is the rollout engine's log-prob, the same as --correction-bypass-mode",
+    },
+    "--get-mismatch-metrics": {
+        "sets": {"log.mismatch_metrics_interval": 1},
+        "help": "slime's: mismatch metrics on every rollout, also where they cost a forward (under "
+                "--use-rollout-logprobs): the same as --mismatch-metrics-interval 1",
     },
     "--calculate-per-token-loss": {
         "sets": {"loss.loss_agg_mode": "token-mean"},

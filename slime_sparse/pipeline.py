@@ -5,6 +5,7 @@ The steps every backend combination shares, as small functions over plain data. 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from slime_sparse.algo import (
     grpo_advantages,
     kv_metrics,
     mismatch_metrics,
+    mismatch_split_metrics,
     shadow_metrics,
     sparsity_correction,
 )
@@ -58,19 +60,37 @@ def response_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
-                   trains_shadow: bool = False) -> list[torch.Tensor]:
+def group_advantages(samples: list[Sample], normalize_std: bool) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPO advantages of `samples` (whole groups: each depends on its own group only) and their metrics."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    return grpo_advantages(rewards, group_ids, normalize_std=normalize_std)
+
+
+def sampler_logprobs(samples: list[Sample]) -> torch.Tensor:
+    """[B, T] pi_sparse of the response tokens, right-padded with 0."""
+    return pad_right([torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples], 0.0,
+                     dtype=torch.float32)
+
+
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *, trains_shadow: bool = False,
+                   normalize_std: bool = True, metrics_due: bool = True) -> list[torch.Tensor] | None:
     """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
-    (`Sample.rejected`, what dynamic-sampling filters read: it does not depend on the other samples). Under
-    shadow / smd nothing is rejected (the PPO term trains the sampler's own policy)."""
+    (`Sample.rejected`, what dynamic-sampling filters read: it depends on its own group only). Under shadow / smd
+    nothing is rejected (the PPO term trains the sampler's own policy).
+
+    None, and no forward, when nothing needs pi_old: under --correction-bypass-mode with no rejection rule on a
+    rollout whose mismatch metrics are not due (`metrics_due`); only the non-finite rule then rejects."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     if min(response_lens) == 0:
         raise ValueError("a sample has an empty response; engines must return at least one token")
-    old = learner.compute_logprobs(tokens, response_lens)
-    logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
-    kept = sparsity_correction(pad_right(old, 0.0, dtype=torch.float32), logp_sparse, response_mask(response_lens),
-                               correction).seq_kept
+    old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or metrics_due else None
+    logp_sparse = sampler_logprobs(samples)
+    logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)  # xi = 1: judges finiteness
+    advantages = group_advantages(samples, normalize_std)[0] if correction.opsm_delta is not None else None
+    kept = sparsity_correction(logp_old, logp_sparse, response_mask(response_lens), correction,
+                               advantages=advantages).seq_kept
     for s, k in zip(samples, kept.tolist()):
         s.rejected = not trains_shadow and not k
     return old
@@ -94,10 +114,27 @@ def shadow_records(samples: list[Sample], trains_shadow: bool) -> list | None:
     return [s.evictions for s in samples]
 
 
+def shadow_logprobs_for_split(samples: list[Sample], learner, old: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """pi_shadow for the mismatch split: the learner's forward under each sample's eviction record; the dense
+    pi_old itself when no sample was compressed (nothing evicted: pi_shadow = pi_old, no forward needed); None when
+    a compressed sample has no record (an engine that returns none: the split cannot be made)."""
+    if all(s.kv.compressions == 0 for s in samples):
+        return old
+    if any(s.evictions is None and s.kv.compressions > 0 for s in samples):
+        return None
+    return learner.compute_logprobs([s.prompt_ids + s.response_ids for s in samples],
+                                    [len(s.response_ids) for s in samples], shadow=[s.evictions for s in samples])
+
+
 @dataclass
 class PreparedRollout:
     batch: TrainBatch
     metrics: dict[str, float]
+
+
+# What the correction can say without pi_old (bypass, between diagnostics): only the non-finite rule rejected.
+_COUNTS_WITHOUT_PI_OLD = ("correction/seqs", "correction/seq_reject_rate", "correction/token_reject_rate",
+                          "correction/nonfinite_seqs")
 
 
 def prepare_rollout(
@@ -109,12 +146,21 @@ def prepare_rollout(
     need_ref: bool = False,
     old: list[torch.Tensor] | None = None,
     trains_shadow: bool = False,
+    metrics_due: bool = True,
 ) -> PreparedRollout:
     """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
     the sparsity correction over the whole train batch.
 
-    The correction (incl. the `mis` batch normalisation of weights) is computed once per rollout, over all
-    of its samples, before the optimizer steps: its inputs (pi_old, pi_sparse) do not change during them.
+    The correction (incl. batch normalisation of weights) is computed once per rollout, over all of its samples,
+    before the optimizer steps: its inputs (pi_old, pi_sparse, the advantages OPSM reads) do not change during them.
+
+    --correction-bypass-mode: the PPO anchor is the sampler's own log-prob (no weights); the dense pi_old is
+    computed only when a rejection rule reads it or `metrics_due`.
+
+    `metrics_due` (--mismatch-metrics-interval): the mismatch split, mismatch/sparsity/* (dense pi_old against
+    pi_shadow, the recompute under each sample's eviction record) and mismatch/numeric/* (pi_shadow against the
+    sampler), at the cost of one shadow forward under sparse_rl (`perf/mismatch_split_s`); free, so every rollout,
+    under shadow / smd.
 
     trains_shadow (--loss-type shadow / smd): the PPO term trains pi_shadow, so pi_old (and pi_ref) are recomputed under each sample's
     eviction record and nothing is corrected or rejected (pi_shadow is the sampler's policy). The dense pi_old is
@@ -122,22 +168,29 @@ def prepare_rollout(
     the correction's metrics (what sparse_rl would have rejected); `shadow/*` compares pi_shadow with pi_sparse
     (~0: the recompute is exact up to the learner's numerics).
     """
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
-    advantages, adv_metrics = grpo_advantages(rewards, group_ids, normalize_std=normalize_std)
-
+    if trains_shadow and correction.bypass_mode:
+        raise ValueError("--correction-bypass-mode with --loss-type shadow / smd: their PPO anchor is already the "
+                         "sampler's own policy (pi_shadow)")
+    advantages, adv_metrics = group_advantages(samples, normalize_std)
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     shadow = shadow_records(samples, trains_shadow)
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
-    old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow) if old is None else old
+    if old is None:
+        old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow, normalize_std=normalize_std,
+                             metrics_due=metrics_due or trains_shadow)
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
-    logp_old = pad_right(old, 0.0, dtype=torch.float32)
-    logp_sparse = pad_right([torch.tensor(s.rollout_logprobs) for s in samples], 0.0, dtype=torch.float32)
+    logp_sparse = sampler_logprobs(samples)
+    logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)
     mask = response_mask(response_lens)
-    corr = sparsity_correction(logp_old, logp_sparse, mask, correction)
+    corr = sparsity_correction(logp_old, logp_sparse, mask, correction, advantages=advantages)
+    bounds = correction.diagnostic_bounds()
 
-    metrics = {**adv_metrics, **corr.metrics, **mismatch_metrics(logp_old, logp_sparse, mask), **kv_metrics([s.kv for s in samples])}
+    metrics = {**adv_metrics, **kv_metrics([s.kv for s in samples])}
+    if old is None:
+        metrics.update({k: corr.metrics[k] for k in _COUNTS_WITHOUT_PI_OLD})
+    else:
+        metrics.update({**corr.metrics, **mismatch_metrics(logp_old, logp_sparse, mask, **bounds)})
     # samples that carry a policy gradient: a nonzero advantage and a token the correction kept
     trained = corr.seq_kept if shadow is None else torch.ones_like(corr.seq_kept)  # shadow / smd reject nothing
     metrics["rollout/effective_batch_size"] = float(((advantages != 0) & trained).sum())
@@ -150,11 +203,21 @@ def prepare_rollout(
         ref_logprobs=ref,
         weights=[corr.weights[i, :n] for i, n in enumerate(response_lens)],
     )
+    if correction.bypass_mode:  # PPO's ratio pi_theta / pi_sparse reweights; no weight may be set
+        batch.old_logprobs, batch.weights = [logp_sparse[i, :n] for i, n in enumerate(response_lens)], None
+    shadow_old = None
     if shadow is not None:
         shadow_old = learner.compute_logprobs(tokens, response_lens, **on_shadow)
         metrics.update(shadow_metrics(pad_right(shadow_old, 0.0, dtype=torch.float32), logp_sparse, mask))
         batch.old_logprobs, batch.evictions, batch.weights = shadow_old, shadow, None
         batch.loss_masks = [mask[i, :n] for i, n in enumerate(response_lens)]
+    if old is not None and (metrics_due or shadow is not None):
+        t0 = time.perf_counter()
+        split = shadow_old if shadow_old is not None else shadow_logprobs_for_split(samples, learner, old)
+        if split is not None:
+            metrics.update(mismatch_split_metrics(logp_old, pad_right(split, 0.0, dtype=torch.float32), logp_sparse,
+                                                  mask, **bounds))
+            metrics["perf/mismatch_split_s"] = time.perf_counter() - t0  # ~0 where the shadow forward was paid
     return PreparedRollout(batch=batch, metrics=metrics)
 
 

@@ -19,6 +19,8 @@ from slime_sparse.utils.checkpoint import checkpoint_to_resume, list_checkpoints
 EXPERIMENT_SECTIONS = ("data", "sampling", "kv", "loss", "correction")
 EXPERIMENT_FIELDS = (("train", "hf_checkpoint"),)
 SCHEDULE_FIELDS = (("data", "num_epochs"),)  # more epochs for more rollouts: the prompt order stays the same
+# labels derived from the fields that are compared (the correction's knobs, whatever preset they started from)
+DERIVED_FIELDS = (("correction", "preset"),)
 CONFIG_KEY = "config"  # where Components.save_checkpoint puts the run config in a checkpoint's `extra`
 
 
@@ -41,11 +43,16 @@ def experiment_changes(saved: dict[str, Any] | None, current: dict[str, Any]) ->
     checkpoint that recorded none, nothing to compare) and the current one (both as `checkpoint_config` makes)."""
     if saved is None:
         return []
-    keys = [(s, name) for s in EXPERIMENT_SECTIONS for name in current.get(s, {}) if (s, name) not in SCHEDULE_FIELDS]
+    keys = [(s, name) for s in EXPERIMENT_SECTIONS for name in current.get(s, {})
+            if (s, name) not in SCHEDULE_FIELDS + DERIVED_FIELDS]
     keys += list(EXPERIMENT_FIELDS)
+    defaults = checkpoint_config(RunConfig())
     changes = []
     for section, name in keys:
-        old, new = saved.get(section, {}).get(name), current.get(section, {}).get(name)
+        # a field the checkpoint's version did not have yet ran at its default (every new knob's default is the
+        # behaviour from before it existed)
+        old = saved.get(section, {}).get(name, defaults.get(section, {}).get(name))
+        new = current.get(section, {}).get(name)
         if old != new:
             changes.append(f"{flag_for(section, name)} {_show(old)} -> {_show(new)}")
     return changes

@@ -21,6 +21,7 @@ from typing import Iterator
 
 import torch
 
+from slime_sparse.algo import crossed_alarms
 from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig
@@ -72,8 +73,15 @@ class GeneratedRollout:
     them: rollout/* over every generated sample, dynamic sampling's counts, timings."""
 
     samples: list[Sample] = field(default_factory=list)
-    old_logprobs: list[torch.Tensor] = field(default_factory=list)
+    old_logprobs: list[torch.Tensor] | None = field(default_factory=list)  # None: not computed (bypass)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def mismatch_metrics_due(cfg: RunConfig, rollout_id: int) -> bool:
+    """Whether rollout `rollout_id` (0-based) computes the mismatch diagnostics that cost an extra forward: every
+    --mismatch-metrics-interval rollouts from the first (0: never)."""
+    interval = cfg.log.mismatch_metrics_interval
+    return interval > 0 and rollout_id % interval == 0
 
 
 def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> GeneratedRollout:
@@ -100,7 +108,9 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         samples = to_samples(records, outputs, n)
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
-        old = dense_logprobs(samples, components.learner, cfg.correction, trains_shadow=cfg.loss.trains_shadow)
+        old = dense_logprobs(samples, components.learner, cfg.correction, trains_shadow=cfg.loss.trains_shadow,
+                             normalize_std=cfg.rollout.grpo_std_normalization,
+                             metrics_due=mismatch_metrics_due(cfg, rollout_id) or cfg.loss.trains_shadow)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
@@ -108,7 +118,7 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         components.stream.put_back(len(groups) - selection.judged)
         keep = [g * n + j for g in selection.kept for j in range(n)]
         out.samples += [samples[i] for i in keep]
-        out.old_logprobs += [old[i] for i in keep]
+        out.old_logprobs = None if old is None else out.old_logprobs + [old[i] for i in keep]
         generated += samples
         counts.update({"rollout/groups_generated": len(groups), "rollout/groups_put_back": len(groups) - selection.judged,
                        "rollout/groups_dropped": sum(selection.dropped.values()), "rollout/gen_rounds": 1,
@@ -142,7 +152,8 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> dict
         t1 = time.perf_counter()
         prepared = prepare_rollout(rollout.samples, components.learner, cfg.correction, old=rollout.old_logprobs,
                                    normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
-                                   trains_shadow=cfg.loss.trains_shadow)
+                                   trains_shadow=cfg.loss.trains_shadow,
+                                   metrics_due=mismatch_metrics_due(cfg, rollout_id))
         metrics["perf/recompute_s"] += time.perf_counter() - t1
         metrics.update(prepared.metrics)
         t2 = time.perf_counter()
@@ -201,6 +212,7 @@ def train(cfg: RunConfig) -> dict:
                                 start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
     summary: dict = {"status": "interrupted", "last_rollout": start, "evals": {}}
     no_gradient_warned = False
+    alarmed: set[str] = set()  # mismatch alarms already shown
     try:
         if start == 0 and components.eval_sets:
             summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=metrics_log)
@@ -212,6 +224,10 @@ def train(cfg: RunConfig) -> dict:
             if not no_gradient_warned and (line := no_gradient_warning(step, metrics)):
                 warn(line)
                 no_gradient_warned = True
+            for key, line in crossed_alarms(metrics):
+                if key not in alarmed:
+                    warn(f"rollout {step}: {line}; see the metrics list in README.md (each alarm shown once per run)")
+                    alarmed.add(key)
             if rollout_id == start:
                 summary["first"] = metrics
             summary["last"], summary["last_rollout"] = metrics, step
