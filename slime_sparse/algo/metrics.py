@@ -89,7 +89,7 @@ def log_ratio_stats(log_ratio: Tensor, valid: Tensor, *, token_bounds: tuple[flo
         "abs_log_xi": mean(l.abs()),
         "abs_log_xi_p99": quantile(abs_l, 0.99),
         "abs_log_xi_p999": quantile(abs_l, 0.999),
-        "xi_p5": torch.exp(quantile(lc[valid], 0.05)) if bool(valid.any()) else zero,  # exp is monotone
+        "xi_p5": quantile(ratio[valid], 0.05),
         "chi2_token": torch.where(n > 0, mean(ratio * ratio) - 1.0, zero),
         "chi2_seq": torch.where(seq_has, chi2_seq_each, zero).sum() / n_seq.clamp_min(1.0),
         "token_mask_frac": mean(outside.to(f)),
