@@ -146,3 +146,40 @@ def test_bypass_marks_nonfinite_samples_without_the_dense_forward():
     assert learner.calls == [] and [s.rejected for s in samples] == [False, False, True, False]
     with pytest.raises(ValueError, match="bypass-mode with --loss-type shadow"):
         prepare_rollout(samples, learner, CorrectionConfig(bypass_mode=True), trains_shadow=True)
+
+
+# ------------------------------------------------------------------------------------------------ in a run
+def test_a_runs_metrics_jsonl_holds_the_peer_metrics_and_the_alarms_warn_once(tiny_assets, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Two rollouts of the tiny training command: every metric of the issue in metrics.jsonl (the split on the
+    first rollout only at --mismatch-metrics-interval 2), and each crossed alarm as one `warning:` line."""
+    import yaml
+
+    from slime_sparse.algo import metrics as algo_metrics
+    from slime_sparse.algo.metrics import Alarm, crossed_alarms
+    from slime_sparse.train import main
+    from tiny_runs import rollout_rows, run_args
+
+    # one more alarm, one that any compressed rollout crosses (k3 > 0), so the warning path runs for sure
+    tight = Alarm("mismatch/sparsity/k3", -1.0, 0.0, "a test bound")
+    monkeypatch.setattr(algo_metrics, "MISMATCH_ALARMS", (*algo_metrics.MISMATCH_ALARMS, tight))
+    run = tmp_path / "run"
+    assert main(run_args(tiny_assets(n_train=64), run, 2, "--mismatch-metrics-interval", "2", "--use-opsm")) == 0
+    first, second = rollout_rows(run)
+    for key in ("correction/is_mean", "correction/is_std", "correction/is_ess", "correction/veto_seq_frac",
+                "correction/veto_token_frac", "correction/opsm_seq_frac", "correction/mask_low_frac",
+                "mismatch/chi2_token", "mismatch/chi2_seq", "mismatch/k1", "mismatch/k3", "mismatch/xi_p5",
+                "mismatch/abs_log_xi_p99", "mismatch/abs_log_xi_p999", "mismatch/token_mask_frac",
+                "mismatch/veto_seq_frac", *(f"mismatch/{part}/{stat}" for part in PARTS for stat in STATS)):
+        assert key in first and first[key] is not None, key
+    assert "mismatch/sparsity/k3" not in second and "mismatch/k3" in second  # every 2nd rollout: 1, 3, ...
+    assert first["mismatch/numeric/abs_log_xi_p999"] <= 1e-5  # fp32 CPU
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.startswith("warning: rollout") and any(b in line for b in (" is outside [", " is < ", " is > "))]
+    crossed = {k for row in (first, second) for k, _ in crossed_alarms(row)}
+    assert tight.key in crossed and len(lines) == len(crossed)  # each alarm once
+    for key in crossed:
+        assert sum(f" {key} = " in line for line in lines) == 1, key
+    assert any(line.startswith("warning: rollout 1: mismatch/sparsity/k3 = ") for line in lines)
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["correction"]["opsm_delta"] == 1e-4 and config["log"]["mismatch_metrics_interval"] == 2
