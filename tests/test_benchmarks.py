@@ -86,3 +86,17 @@ def test_learner_bench_makes_samples_the_correction_acts_on():
     masks = torch.cat(prepared.batch.loss_masks)
     weights = torch.cat(prepared.batch.weights)
     assert 0 < masks.sum() < masks.numel() and weights.std() > 0
+
+
+def test_mismatch_split_cost_ci_row(capsys):
+    bench = load("mismatch_split_cost")
+    assert bench.main(["--suite", "ci", "--repeats", "1"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    row = dict(zip(cells(lines[0]), cells(lines[2])))
+    assert (row["model"], row["batch"], row["budget"]) == ("tiny", "8", "12")
+    assert float(row["compressed"]) == 1.0  # every sample was compressed: the split needs its shadow forward
+    for key in ("generate s", "prepare s", "train s", "split s"):
+        assert float(row[key]) > 0
+    assert float(row["split / rest"].rstrip(" %")) > 0
+    with pytest.raises(SystemExit, match="MODEL:BATCH:PROMPT:RESPONSE:BUDGET"):
+        bench.parse_args(["--rows", "tiny:8:8:x:12"])

@@ -181,3 +181,56 @@ def test_every_tiny_recipe_variant_is_a_valid_config(tiny_recipe, tmp_path):
             assert cfg.loss.loss_type == extra[extra.index("--loss-type") + 1], name
         if "--dynamic-sampling-filter-path" in extra:
             assert cfg.rollout.dynamic_sampling_filter_path, name
+
+
+def test_every_ablation_is_a_valid_config_that_says_what_its_row_asks(tiny_recipe, tmp_path):
+    """examples/tiny_cpu/ablations.py: each variant's flags build the config its name describes."""
+    run, compare = tiny_recipe
+    import ablations
+
+    from slime_sparse.config_loader import load_config
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    seen = {}
+    for group, variants in ablations.ABLATIONS.items():
+        for name, (base, flags) in variants.items():
+            cfg = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(data), *run.RECIPE,
+                               *run.VARIANTS[base], *ablations.COMMON, *flags])
+            seen[name] = cfg
+            if group == "control":
+                assert cfg.kv.method == "none" and cfg.correction.preset == "mis"
+            if group == "veto":
+                assert cfg.correction.seq_veto == float(name.split()[1]) and cfg.correction.token_mask_low == 0.5
+            if "budget" in name or "B=" in name:
+                budget = int(name.split("budget ")[1].split()[0]) if "budget" in name else int(name.split("B=")[1])
+                assert cfg.kv.budget == budget and cfg.kv.method == "rkv"
+    assert seen["sequence (decoupled_seq_is_rs), B=12"].correction.rs == ("seq_sum_k1",)
+    assert seen["geometric (decoupled_geo_rs), B=12"].correction.rs == ("seq_mean_k1",)
+    assert seen["none, B=12"].correction.preset == "none"
+    assert ablations.QUARTER * 4 == ablations.HALF * 2 == ablations.WHOLE == ablations.MEAN_RESPONSE_LEN
+
+
+def test_ablation_table_reads_finished_runs(tiny_recipe, tmp_path, capsys, monkeypatch):
+    run, compare = tiny_recipe
+    import ablations
+
+    cache = str(tmp_path / "assets")
+
+    def in_process(variant, seed, run_dir, cache_dir, extra, threads):
+        return run.main(["--variant", variant, "--cache-dir", cache_dir, "--run-dir", run_dir, "--", *extra,
+                         "--seed", str(seed)], assets_config=run.ASSETS)
+
+    monkeypatch.setattr(compare, "run_one", in_process)
+    monkeypatch.setattr(ablations, "COMMON", [])
+    monkeypatch.setitem(ablations.ABLATIONS, "veto", {"veto 1e-3": ("sparse_rl", ["--correction-seq-veto", "1e-3"])})
+    out, plot = tmp_path / "abl", tmp_path / "abl.png"
+    assert ablations.main(["--groups", "control", "veto", "--seeds", "1", "--out", str(out), "--plot", str(plot),
+                           "--cache-dir", cache, "--", *MICRO_FLAGS]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| control") or
+             line.startswith("| veto")]
+    assert len(lines) == 2 and "nan" not in "".join(lines)
+    control = dict(zip(["group", "variant", "seeds", *(c[0] for c in ablations.COLUMNS)],
+                       [c.strip() for c in lines[0].strip("|").split("|")]))
+    assert control["seeds"] == "1" and control["seq. rejected"] == "0.000"  # the dense control: nothing, in fp32
+    assert plot.stat().st_size > 10_000

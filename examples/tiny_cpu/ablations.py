@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
             base, seed, run_dir, flags = item
             return compare.run_one(base, seed, run_dir, args.cache_dir, [*COMMON, *flags, *extra], args.threads)
 
-        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            codes = list(pool.map(one, todo))
+        if args.jobs == 1:  # in this thread: a run in this process (the tests) installs signal handlers
+            codes = [one(item) for item in todo]
+        else:
+            with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+                codes = list(pool.map(one, todo))
         failed = [t[2] for t, rc in zip(todo, codes) if rc]
         if failed:
             print(f"failed runs (see their .log): {', '.join(failed)}", file=sys.stderr)
