@@ -65,7 +65,9 @@ def test_plot_metrics_writes_pngs_and_reports_missing_keys(tmp_path):
     result = plot_metrics(str(tmp_path), smooth=0.6)
 
     # default keys the run did not log
-    assert result.missing_keys == ["mismatch/k3", "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token"]
+    assert result.missing_keys == ["mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5",
+                                   "correction/is_ess", "rollout/effective_batch_size",
+                                   "rollout/gen_tokens_per_train_token"]
     names = [os.path.basename(f) for f in result.files]
     assert names == ["rollout_reward_mean.png", "kv_savings.png", "correction_seq_reject_rate.png", "summary.png"]
     for f in result.files:

@@ -12,9 +12,11 @@ from slime_sparse.utils.logging import read_metrics
 
 logger = logging.getLogger(__name__)
 
-# Reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL), samples that carry a gradient, and
-# what dynamic sampling costs (tokens generated per token trained; 1 without it).
+# Reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL) and its sparsity / numeric parts,
+# the tail statistics the peers alarm on (Sparrow's p5 of pi_old / pi_sparse, verl's IS effective sample size), samples
+# that carry a gradient, and what dynamic sampling costs (tokens generated per token trained; 1 without it).
 DEFAULT_PLOT_KEYS = ("rollout/reward_mean", "kv/savings", "correction/seq_reject_rate", "mismatch/k3",
+                     "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5", "correction/is_ess",
                      "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
 SUMMARY_FILE = "summary.png"
 
