@@ -402,3 +402,27 @@ def test_every_default_that_differs_from_slimes_says_so_in_its_help():
             assert "slime" in helptext or "Megatron" in helptext, (flag, default, slime_default)
     # the two the issue names are among them
     assert {"--rollout-shuffle", "--kl-loss-type"} <= set(differ)
+
+
+def test_use_opsm_and_opsm_delta_are_the_correction_s_opsm(base):
+    opsm = parse(base, "--use-opsm").correction
+    assert opsm.opsm_delta == 1e-4 and opsm == parse(base, "--correction-opsm-delta", "1e-4").correction
+    assert parse(base, "--use-opsm", "--opsm-delta", "0.01").correction.opsm_delta == 0.01
+    refused(base, "--opsm-delta", "0.01", match="^--opsm-delta has no effect without --use-opsm$")
+    refused(base, "--use-opsm", "--correction-opsm-delta", "0.5", match="--use-opsm sets --correction-opsm-delta=0.0001")
+
+
+def test_use_rollout_logprobs_is_bypass_mode(base):
+    cfg = parse(base, "--use-rollout-logprobs").correction
+    assert cfg.bypass_mode and cfg == parse(base, "--correction-bypass-mode").correction
+    assert cfg.preset == "bypass_ppo_clip"
+    refused(base, "--use-rollout-logprobs", "--use-tis", match="--correction-bypass-mode=True is invalid: the PPO ratio")
+    refused(base, "--use-rollout-logprobs", "--loss-type", "shadow",
+            match="--correction-bypass-mode with --loss-type shadow")
+
+
+def test_get_mismatch_metrics_computes_them_every_rollout(base):
+    assert parse(base, "--get-mismatch-metrics").log.mismatch_metrics_interval == 1
+    assert parse(base, "--get-mismatch-metrics", "--mismatch-metrics-interval", "1").log.mismatch_metrics_interval == 1
+    refused(base, "--get-mismatch-metrics", "--mismatch-metrics-interval", "5",
+            match="--get-mismatch-metrics sets --mismatch-metrics-interval=1")
