@@ -74,7 +74,7 @@ def sampler_logprobs(samples: list[Sample]) -> torch.Tensor:
 
 
 def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *, trains_shadow: bool = False,
-                   normalize_std: bool = True, metrics_due: bool = True) -> list[torch.Tensor] | None:
+                   metrics_due: bool = True) -> list[torch.Tensor] | None:
     """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
     (`Sample.rejected`, what dynamic-sampling filters read: it depends on its own group only). Under shadow / smd
     nothing is rejected (the PPO term trains the sampler's own policy).
@@ -88,7 +88,8 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or metrics_due else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)  # xi = 1: judges finiteness
-    advantages = group_advantages(samples, normalize_std)[0] if correction.opsm_delta is not None else None
+    # OPSM reads only the advantages' signs, which the std normalisation does not change
+    advantages = group_advantages(samples, normalize_std=False)[0] if correction.opsm_delta is not None else None
     kept = sparsity_correction(logp_old, logp_sparse, response_mask(response_lens), correction,
                                advantages=advantages).seq_kept
     for s, k in zip(samples, kept.tolist()):
@@ -177,7 +178,7 @@ def prepare_rollout(
     shadow = shadow_records(samples, trains_shadow)
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
     if old is None:
-        old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow, normalize_std=normalize_std,
+        old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow,
                              metrics_due=metrics_due or trains_shadow)
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_sparse = sampler_logprobs(samples)

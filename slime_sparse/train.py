@@ -109,7 +109,6 @@ def generate_rollout(cfg: RunConfig, components: Components, rollout_id: int) ->
         counts.update(assign_rewards(samples, components.tokenizer, components.reward_fn))
         t1 = time.perf_counter()
         old = dense_logprobs(samples, components.learner, cfg.correction, trains_shadow=cfg.loss.trains_shadow,
-                             normalize_std=cfg.rollout.grpo_std_normalization,
                              metrics_due=mismatch_metrics_due(cfg, rollout_id) or cfg.loss.trains_shadow)
         t_recompute += time.perf_counter() - t1
 
