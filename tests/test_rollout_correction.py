@@ -378,3 +378,22 @@ def test_slime_mis_modes_are_configurations_of_the_algebra():
 def test_bad_knobs_name_the_flag(knobs, flag):
     with pytest.raises(ValueError, match=flag):
         CorrectionConfig(**knobs).validate()
+
+
+# ------------------------------------------------------------------------------------------------ fuzz
+@pytest.mark.parametrize("block", range(2))
+def test_fuzz_every_preset_and_mode_counts_its_rejections(block):
+    """tests/test_fuzz_objective.py's adversarial batches (non-finite, huge, empty, length 1) through verl's presets
+    and the new levels / modes / OPSM: nothing non-finite out, every rejection counted, non-finite sequences out."""
+    from test_fuzz_objective import adversarial_case, check_rejections_counted
+
+    configs = [CorrectionConfig.from_preset(name) for name in VERL_PRESETS] + [
+        CorrectionConfig(**knobs) for knobs in LEVELS_AND_MODES] + [
+        CorrectionConfig(opsm_delta=0.01, seq_veto=1e-4, rs=("seq_max_k2", "token_k1"), rs_threshold=("2.0",))]
+    for seed in range(block * 20, (block + 1) * 20):
+        case = adversarial_case(seed)
+        for cfg in configs:
+            res = sparsity_correction(case.logp_old, case.logp_sparse, case.mask, cfg, advantages=case.rewards - 0.5)
+            where = f"seed {seed} {cfg.preset} {cfg.is_level} {cfg.is_mode}"
+            assert all(math.isfinite(v) for v in res.metrics.values()), where
+            check_rejections_counted(case, res, cfg.preset, where)
