@@ -397,3 +397,60 @@ def test_fuzz_every_preset_and_mode_counts_its_rejections(block):
             where = f"seed {seed} {cfg.preset} {cfg.is_level} {cfg.is_mode}"
             assert all(math.isfinite(v) for v in res.metrics.values()), where
             check_rejections_counted(case, res, cfg.preset, where)
+
+
+# ------------------------------------------------------------------------------------------------ old configs
+# the correction section as runs saved it before this algebra (config.yaml, and checkpoints' trainer_state.json)
+OLD_MIS_SECTION = dict(is_weight=True, is_upper=1.5, is_lower=0.0, token_mask_low=0.5, token_mask_high=1.5,
+                       seq_veto=1e-4, batch_normalize=True, log_ratio_clamp=20.0, preset="mis")
+
+
+def test_a_section_saved_before_the_new_knobs_loads_to_the_same_correction():
+    old = CorrectionConfig.from_dict(OLD_MIS_SECTION)
+    assert old == CorrectionConfig.from_preset("mis")
+    assert (old.is_level, old.is_mode, old.rs, old.opsm_delta, old.bypass_mode) == ("token", "truncate", (), None, False)
+    custom = CorrectionConfig.from_dict({**OLD_MIS_SECTION, "is_upper": 2.0, "preset": "custom"})
+    assert custom.preset == "custom" and custom.is_upper == 2.0
+    tis = CorrectionConfig.from_dict(dict(is_weight=True, is_upper=2.0, preset="custom"))  # an old --use-tis run
+    assert tis.preset == "decoupled_token_is"  # its knobs are verl's token TIS, so the label follows them
+
+
+def test_resuming_a_checkpoint_saved_before_the_new_knobs_sees_no_change(tmp_path):
+    """resume.experiment_changes compares a checkpoint's saved config with the current one: a field the older
+    version did not have counts as its default, and the preset is a label of the knobs (compared themselves)."""
+    import copy
+
+    from slime_sparse.config import RunConfig
+    from slime_sparse.resume import checkpoint_config, experiment_changes
+
+    current = checkpoint_config(RunConfig(correction=CorrectionConfig(is_weight=True, is_upper=2.0)))
+    saved = copy.deepcopy(current)
+    for name in ("is_level", "is_mode", "rs", "rs_threshold", "opsm_delta", "bypass_mode"):
+        del saved["correction"][name]
+    del saved["log"]["mismatch_metrics_interval"]
+    saved["correction"]["preset"] = "custom"  # what --use-tis runs recorded before decoupled_token_is existed
+    assert current["correction"]["preset"] == "decoupled_token_is"
+    assert experiment_changes(saved, current) == []
+    geo = checkpoint_config(RunConfig(correction=CorrectionConfig.from_preset("decoupled_geo_rs")))
+    assert experiment_changes(saved, geo) == ["--correction-is-weight True -> False", "--correction-is-upper 2.0 -> unset",
+                                              "--correction-rs unset -> seq_mean_k1",
+                                              "--correction-rs-threshold unset -> 0.999_1.001"]
+
+
+def test_yaml_takes_rejection_statistics(tmp_path):
+    from slime_sparse.config_loader import load_config
+
+    model = tmp_path / "m"
+    model.mkdir()
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("correction:\n  rs: [token_k1, seq_max_k2]\n  rs_threshold: ['0.6_1.4', '2.0']\n"
+                         "  opsm_delta: 1e-4\n")
+    cfg = load_config(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--config", str(yaml_file)])
+    assert cfg.correction.rs == ("token_k1", "seq_max_k2") and cfg.correction.rs_threshold == ("0.6_1.4", "2.0")
+    assert cfg.correction.opsm_delta == 1e-4
+    flags = load_config(["--hf-checkpoint", str(model), "--prompt-data", str(data), "--correction-rs",
+                         "token_k1,seq_max_k2", "--correction-rs-threshold", "0.6_1.4", "2.0", "--correction-opsm-delta",
+                         "1e-4"])
+    assert flags.correction == cfg.correction
