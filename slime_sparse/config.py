@@ -315,8 +315,8 @@ class LogConfig:
         "never): the split of the mismatch into its sparsity and numeric parts (mismatch/sparsity/*, "
         "mismatch/numeric/*: one shadow forward under --loss-type sparse_rl, every rollout and free under shadow / "
         "smd) and, under --correction-bypass-mode without a rejection rule, the dense recompute itself "
-        "(mismatch/*). That forward costs a sixth to a fifth of a step (benchmarks/mismatch_split_cost.py), so "
-        "every 10th rollout: about 2 percent on average. slime's --get-mismatch-metrics is 1")})
+        "(mismatch/*). That forward costs a fifth to a quarter of a step (benchmarks/mismatch_split_cost.py), so "
+        "every 10th rollout: 2-3 percent on average. slime's --get-mismatch-metrics is 1")})
 
     def validate(self) -> None:
         if not self.run_dir:
