@@ -56,6 +56,7 @@ class BudgetKVCache(Cache):
         track_mass: bool,
         device: torch.device,
         dtype: torch.dtype,
+        shared_fill: bool = False,
     ) -> None:
         super().__init__(layers=[])  # we keep our own tensors; transformers' per-layer objects are unused
         self.num_layers = len(capacities)
@@ -80,6 +81,10 @@ class BudgetKVCache(Cache):
         self._arange = torch.arange(num_rows, device=device)
         self._slots = torch.arange(max(capacities), device=device)
         self.step: PrefillPlan | DecodeView | None = None
+        # one budget for every layer: every layer of a row holds the same fill, so a step's write slots and masks
+        # are the same in every layer and are built once (`_shared`)
+        self.shared_fill = shared_fill
+        self._memo: dict[tuple[str, int], Tensor] = {}
 
     @property
     def num_rows(self) -> int:
@@ -92,7 +97,8 @@ class BudgetKVCache(Cache):
         key, value = self.key[layer_idx], self.value[layer_idx]
         if isinstance(step, DecodeView):
             rows = self._arange[: step.n]
-            slots = self.fill[layer_idx, : step.n].clamp(max=self.capacities[layer_idx] - 1)
+            slots = self._shared("slots", layer_idx,
+                                 lambda: self.fill[layer_idx, : step.n].clamp(max=self.capacities[layer_idx] - 1))
             new_k, new_v, pos = key_states[:, :, 0], value_states[:, :, 0], step.positions
             first = 0
         else:
@@ -115,6 +121,9 @@ class BudgetKVCache(Cache):
     # ---- hooks for the attention function ----
     def attention_mask(self, layer_idx: int) -> Tensor:
         """[n, 1, C, span] bool: which slots each query of the current step may read (C = 1 when decoding)."""
+        return self._shared("mask", layer_idx, lambda: self._mask(layer_idx))
+
+    def _mask(self, layer_idx: int) -> Tensor:
         step = self._current()
         slots = self._slots[: step.spans[layer_idx]]
         if isinstance(step, DecodeView):
@@ -124,6 +133,13 @@ class BudgetKVCache(Cache):
         # Real token i of a chunk sees the fill old slots plus new tokens 0..i (causal). Padding columns see the
         # whole row, so that no softmax row is empty (an all-masked row gives NaN, and NaN * 0 leaks later).
         return (slots[None, None, :] < (fill[:, None] + step.limit)[:, :, None])[:, None]
+
+    def _shared(self, kind: str, layer_idx: int, build) -> Tensor:
+        """`build()` for this layer, or the one built for layer 0 of this step when every layer holds the same fill."""
+        key = (kind, 0 if self.shared_fill else layer_idx)
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
     def record_queries(self, layer_idx: int, query: Tensor) -> None:
         """Keep the post-RoPE queries of each row's newest `window` tokens (query: [n, Hq, C, d])."""
@@ -158,6 +174,7 @@ class BudgetKVCache(Cache):
     # ---- steps ----
     def begin_prefill(self, plan: PrefillPlan) -> None:
         self.step = plan
+        self._memo = {}
 
     def end_prefill(self, plan: PrefillPlan, chunk_lengths: list[int]) -> None:
         """After the forward of `plan`: its rows now hold their new tokens."""
@@ -171,6 +188,7 @@ class BudgetKVCache(Cache):
 
     def begin_decode(self, view: DecodeView) -> None:
         self.step = view
+        self._memo = {}
 
     def end_decode(self) -> None:
         """After a decode step: every row of the step advanced by one slot (a full row stays full)."""

@@ -285,6 +285,7 @@ class _Run:
             track_mass=self.kv.traits.tracks_mass,
             device=self.device,
             dtype=self.model.dtype,
+            shared_fill=len(set(self.budgets)) == 1,
         )
 
     def _logits(self, hidden: Tensor) -> Tensor:
