@@ -46,7 +46,8 @@ class KVCompressConfig:
     buffer: int = field(default=128, metadata={"help": (
         "decode tokens between compressions: the cache cycles between B and B + buffer")})
     window: int = field(default=8, metadata={"help": (
-        "observation window: the last `window` queries score, the last `window` tokens are always kept")})
+        "observation window: the last `window` queries score, the last `window` tokens are always kept (not under "
+        "--kv-preset kvpress for keydiff and streaming, which kvpress protects none of)")})
     kernel_size: int = field(default=7, metadata={"help": "pooling kernel over token scores (SnapKV, R-KV)"})
     pooling: str = field(default="max", metadata={"help": "max | avg pooling of token scores"})
     mix_lambda: float = field(default=0.1, metadata={"help": (
@@ -127,6 +128,15 @@ class KVCompressConfig:
         return self.budget_schedule if self.budget_schedule is not None else self.traits.default_schedule
 
     @property
+    def protected_window(self) -> int:
+        """The last slots every compression keeps unscored: the window, or none where the preset's reference
+        protects none for this method (presets.py `no_window`: kvpress's KeyDiff and StreamingLLM). A rule of the
+        preset rather than a flag or --kv-window 0, because the window also sizes the query ring every engine
+        keeps, and only a reference's definition of a method ever needs the two apart."""
+        preset = PRESETS.get(self.preset)
+        return 0 if preset is not None and self.method in preset.no_window else self.window
+
+    @property
     def sinks(self) -> int:
         if self.n_sink is not None:
             return self.n_sink
@@ -177,7 +187,7 @@ class KVCompressConfig:
                 f"{self.schedule} (use head or layer)")
         if self.preset != "custom" and self.preset not in PRESETS:
             bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
-        protected = self.window + self.sinks
+        protected = self.protected_window + self.sinks
         if self.enabled and self.schedule == "explicit":
             if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
                 bad("layer-budgets", self.layer_budgets, f"every budget must be >= window + sinks = {protected}")

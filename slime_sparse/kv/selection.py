@@ -14,7 +14,7 @@ from .scoring import score_layer
 def select_kept(scores: Tensor, budget: int, cfg: KVCompressConfig) -> Tensor:
     """Sorted LongTensor [..., budget] of kept slots, from scores [..., n] (higher = keep).
 
-    Always the first cfg.sinks and the last cfg.window slots, plus the (budget - sinks - window) best-scored
+    Always the first cfg.sinks and the last cfg.protected_window slots, plus the (budget - sinks - window) best-scored
     slots between them; ties go to the earlier slot (stable sort), so selection is deterministic on every device.
     If n <= budget nothing is dropped: arange(n) for every row. Scores of the middle slots must not be NaN.
     """
@@ -23,7 +23,7 @@ def select_kept(scores: Tensor, budget: int, cfg: KVCompressConfig) -> Tensor:
     device = scores.device
     if n <= budget:
         return torch.arange(n, device=device).expand(*batch_shape, n).clone()
-    sinks, window = cfg.sinks, cfg.window
+    sinks, window = cfg.sinks, cfg.protected_window
     if budget < sinks + window:
         raise ValueError(f"budget={budget} must be >= sinks + window = {sinks} + {window} (--kv-budget)")
     n_top = budget - sinks - window
@@ -58,7 +58,8 @@ def compress_indices(
     Lists hold one entry per layer (see `score_layer` for shapes). Leading batch dimensions broadcast: keys
     [..., Hkv, n, d] (e.g. the rows of an engine that compress together, every one holding the same n slots in a
     layer) give kept [..., Hkv, B_l], each entry what it would keep alone. budget: one int for every layer (uniform
-    schedules only), or one per layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule.
+    schedules only), or one per layer; None: `budgets.layer_budgets(cfg, len(keys), lengths)`, the run's schedule
+    at these cache lengths.
     Granularity (cfg.granularity):
     - 'head':  every KV head of every layer selects on its own scores;
     - 'layer': one set per layer from the mean of its heads' scores (`reduce_heads`), shared by its heads;
@@ -71,7 +72,7 @@ def compress_indices(
     n_layers = len(keys)
     if n_layers == 0:
         raise ValueError("compress_indices needs at least one layer of keys")
-    budgets = _per_layer(cfg, budget, n_layers)
+    budgets = _per_layer(cfg, budget, [k.shape[-2] for k in keys])
     if len(queries) != n_layers:
         raise ValueError(f"got {len(queries)} layers of queries for {n_layers} layers of keys")
     for name, per_layer in (("values", values), ("attn_mass", attn_mass)):
@@ -102,9 +103,10 @@ def compress_indices(
     return [_broadcast(kept[b], s.shape[-2]) for s, b in zip(scores, budgets)]
 
 
-def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
-    if budget is None:
-        return layer_budgets(cfg, n_layers)
+def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, lengths: list[int]) -> tuple[int, ...]:
+    n_layers = len(lengths)
+    if budget is None:  # kvpress's pyramid caps each layer at its cache length, as kvpress at prefill
+        return layer_budgets(cfg, n_layers, lengths)
     if isinstance(budget, int):
         if cfg.schedule != "uniform":  # an engine that keeps one budget per row would silently run uniform
             raise ValueError(f"one budget ({budget}) for every layer, but --kv-budget-schedule={cfg.schedule}: pass "
