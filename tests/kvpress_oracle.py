@@ -87,7 +87,8 @@ class RecordingKeyDiff(KeyDiffPress):
 
 def keydiff_decode(model, input_ids, target: int) -> dict:
     """Prefill input_ids[:, :-1] (DecodingPress leaves prefill alone), then decode the last token: with
-    compression_interval=1 that step compresses every layer to `target` slots with KeyDiffPress's ScorerPress.compress."""
+    compression_interval=1 that step compresses every layer to `target` slots by KeyDiffPress's
+    ScorerPress.compress."""
     base = RecordingKeyDiff()
     base.seen = {}
     press = DecodingPress(base_press=base, compression_interval=1, target_size=target)

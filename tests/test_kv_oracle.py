@@ -176,7 +176,7 @@ def test_golden_file_is_what_kvpress_computes(tmp_path, golden):
             assert all(torch.equal(a, b) for a, b in zip(fresh["prompts"][n][part], prompt[part])), (n, part)
     assert len(fresh["cases"]) == len(golden["cases"])
     for a, b in zip(fresh["cases"], golden["cases"]):
-        assert {k: a[k] for k in ("method", "n", "ratio", "beta")} == {k: b[k] for k in ("method", "n", "ratio", "beta")}
+        assert [a[k] for k in ("method", "n", "ratio", "beta")] == [b[k] for k in ("method", "n", "ratio", "beta")]
         assert torch.equal(a["kept"], b["kept"]), (a["method"], a["n"], a["ratio"], a["beta"])
     assert fresh["layer_budget"] == golden["layer_budget"]
     assert all(torch.equal(a, b) for a, b in zip(fresh["keydiff_decode"]["keys"], golden["keydiff_decode"]["keys"]))

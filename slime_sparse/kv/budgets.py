@@ -3,13 +3,13 @@
 - uniform: every layer keeps B = --kv-budget;
 - pyramid: PyramidKV (Cai et al., arXiv 2406.02069, section 3.3): an arithmetic sequence over depth, the first
   layer keeping the most, by one of two rules (the preset's `pyramid`, presets.py):
-  ours (every preset but kvpress): with S = B - window - sinks (what a layer selects; the protected slots are kept by every
-  layer whatever its budget, so they stay out of the pyramid), the last layer selects floor(S / beta) and the first
-  2S - floor(S / beta), the others linearly in between; every layer then adds its window and sinks. The mean over
-  layers is exactly B (pairs of layers equidistant from the middle sum to 2B; rounding is mirrored so it stays
-  so), so a pyramid run keeps as many KV tokens as a uniform one once compressing (schedule.py: before the first
-  compression every layer fills to the largest budget + buffer), and the
-  largest budget 2S - floor(S / beta) + window + sinks does not depend on the number of layers;
+  ours (every preset but kvpress): with S = B - window - sinks (what a layer selects; the protected slots are kept
+  by every layer whatever its budget, so they stay out of the pyramid), the last layer selects floor(S / beta) and
+  the first 2S - floor(S / beta), the others linearly in between; every layer then adds its window and sinks. The
+  mean over layers is exactly B (pairs of layers equidistant from the middle sum to 2B; rounding is mirrored so it
+  stays so), so a pyramid run keeps as many KV tokens as a uniform one once compressing (schedule.py: before the
+  first compression every layer fills to the largest budget + buffer), and the largest budget
+  2S - floor(S / beta) + window + sinks does not depend on the number of layers;
   kvpress's (`kvpress_layer_budget`, its PyramidKVPress.get_layer_budget): the pyramid spans the whole budget,
   window included (the last layer B / beta, the first 2B - B / beta, each layer round()ed on its own, so the mean
   may drift from B by rounding), its top is capped at the layer's cache length minus the window, and where the

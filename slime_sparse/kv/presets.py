@@ -83,9 +83,9 @@ PRESETS: dict[str, KVPreset] = {
             "NVIDIA kvpress 0.5.5 (PyPI): presses/snapkv_press.py SnapKVPress window_size=64, kernel_size=5, "
             "F.avg_pool1d, scores averaged over the GQA group; presses/pyramidkv_press.py PyramidKVPress beta=20 "
             "(window 64, kernel 5); presses/keydiff_press.py KeyDiffPress (no knobs); presses/streaming_llm_press.py "
-            "StreamingLLMPress n_sink=4; presses/pyramidkv_press.py get_layer_budget (pyramid); presses/scorer_press.py "
-            "ScorerPress.compress, a top-k over every position, which KeyDiffPress and StreamingLLMPress use and "
-            "DecodingPress calls (no_window)"),
+            "StreamingLLMPress n_sink=4; presses/pyramidkv_press.py get_layer_budget (pyramid); "
+            "presses/scorer_press.py ScorerPress.compress, a top-k over every position, which KeyDiffPress and "
+            "StreamingLLMPress use and DecodingPress calls (no_window)"),
         methods=("snapkv", "pyramidkv", "keydiff", "streaming"),
         values=dict(window=64, kernel_size=5, pooling="avg", gqa_reduce="mean", pyramid_beta=20.0),
         pyramid="kvpress",

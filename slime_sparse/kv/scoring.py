@@ -7,7 +7,8 @@ Conventions shared by every function here:
   slot n - w + i and attends causally to slots <= n - w + i. Query head h belongs to KV head h // (Hq // Hkv),
   the layout of Qwen2/Llama (and of transformers' repeat_kv).
 - scores: [Hkv, n] float32, higher = keep. Slots that selection always keeps (the first `cfg.sinks`, the last
-  `cfg.protected_window`, which is `cfg.window` but where a preset says otherwise) are not scored by the methods (SnapKV and R-KV never look at the window's own keys) and carry +inf.
+  `cfg.protected_window`: the window unless the preset protects none) are not scored by the methods (SnapKV and R-KV
+  never look at the window's own keys) and carry +inf.
 - Everything is computed in float32 whatever the input dtype, so bf16 and fp32 inputs rank tokens alike.
 
 Where each method reduces GQA groups (read from the reference code, matched on purpose):
