@@ -13,7 +13,8 @@ from typing import Any, Callable
 from slime_sparse.config import RunConfig
 from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
 from slime_sparse.eval import load_eval_sets, sparse_eval_kv
-from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner, load_tokenizer
+from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner
+from slime_sparse.utils.hf import load_tokenizer
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.reward import get_reward_fn

@@ -134,7 +134,8 @@ def prepare_output(path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from slime_sparse.config_loader import load_config
-    from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
+    from slime_sparse.factory import EngineSpec, build_engine
+    from slime_sparse.utils.hf import load_tokenizer
     from slime_sparse.reward import RewardFailure, get_reward_fn
 
     argv = list(sys.argv[1:] if argv is None else argv)

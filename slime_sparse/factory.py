@@ -21,19 +21,11 @@ from slime_sparse.config import RunConfig, TrainConfig
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig, sglang_lm_head_args
 from slime_sparse.utils.device import dist_backend, resolve_device
+from slime_sparse.utils.hf import load_model
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def load_model(path: str, *, device: torch.device, bf16: bool) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
-
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+def _dtype(bf16: bool) -> torch.dtype:
+    return torch.bfloat16 if bf16 else torch.float32
 
 
 def _absolute(path: str) -> str:
@@ -82,11 +74,11 @@ def build_learner(spec: LearnerSpec):
         return build_megatron_learner(
             train.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=train.seed,
             batching=spec.batching, temperature=spec.temperature,
-            params_dtype=torch.bfloat16 if train.bf16 else torch.float32, fp32_lm_head=train.enable_fp32_lm_head,
+            params_dtype=_dtype(train.bf16), fp32_lm_head=train.enable_fp32_lm_head,
         )
     from slime_sparse.backends.embedded.learner import EmbeddedLearner
 
-    model = load_model(train.hf_checkpoint, device=resolve_device(train.device), bf16=train.bf16)
+    model = load_model(train.hf_checkpoint, resolve_device(train.device), _dtype(train.bf16))
     return EmbeddedLearner(model, spec.loss, optim=spec.optim, batching=spec.batching, temperature=spec.temperature,
                            need_ref=spec.loss.needs_ref, fp32_lm_head=train.enable_fp32_lm_head)
 
@@ -131,7 +123,7 @@ def build_engine(spec: EngineSpec):
     from slime_sparse.rollout.embedded import EmbeddedEngine
 
     device = resolve_device(spec.device)
-    model = load_model(spec.model_dir, device=device, bf16=spec.bf16)
+    model = load_model(spec.model_dir, device, _dtype(spec.bf16))
     return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
                           max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager",
                           fp32_lm_head=spec.fp32_lm_head)

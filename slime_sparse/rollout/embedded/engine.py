@@ -37,6 +37,7 @@ from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_tokens
 from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.faults import fault_point
+from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
 from .attention import CACHE_KWARG, budget_attention_installed
@@ -116,7 +117,7 @@ class EmbeddedEngine:
             raise ValueError(f"readback_interval={readback_interval} must be >= 1")
         self.step_mode = step_mode
         self.readback_interval = readback_interval
-        self.model = _load_model(model_or_path, self.device, dtype)
+        self.model = load_model(model_or_path, self.device, dtype)
         _check_model(self.model)
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.fp32_lm_head = fp32_lm_head
@@ -558,21 +559,6 @@ def _eos_ids(model: nn.Module) -> set[int]:
         if eos is not None:
             return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
     return set()
-
-
-def _load_model(
-    model_or_path: nn.Module | str | os.PathLike, device: torch.device, dtype: torch.dtype | None
-) -> nn.Module:
-    if isinstance(model_or_path, (str, os.PathLike)):
-        from transformers import AutoModelForCausalLM
-
-        if not os.path.isdir(model_or_path):
-            raise ValueError(f"model path {os.fspath(model_or_path)!r} is not a local directory (--hf-checkpoint)")
-        model = AutoModelForCausalLM.from_pretrained(model_or_path, dtype=dtype or torch.float32)
-    else:
-        model = model_or_path
-    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
-    return model.eval()
 
 
 def _check_model(model: nn.Module) -> None:
