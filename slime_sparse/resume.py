@@ -20,7 +20,7 @@ EXPERIMENT_SECTIONS = ("data", "sampling", "kv", "loss", "correction")
 EXPERIMENT_FIELDS = (("train", "hf_checkpoint"),)
 SCHEDULE_FIELDS = (("data", "num_epochs"),)  # more epochs for more rollouts: the prompt order stays the same
 # labels derived from the fields that are compared (the correction's knobs, whatever preset they started from)
-DERIVED_FIELDS = (("correction", "preset"),)
+DERIVED_FIELDS = (("correction", "preset"), ("kv", "preset"))
 CONFIG_KEY = "config"  # where Components.save_checkpoint puts the run config in a checkpoint's `extra`
 
 

@@ -1,11 +1,10 @@
 """Configuration of KV-cache compression, shared by every engine (embedded, SGLang), and what each method needs."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
-from .presets import PRESETS, preset_values
+from .presets import PRESETS, FromPreset, KVPreset
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ SCHEDULES = ("uniform", "pyramid", "explicit")  # how the budget is spread over 
 
 
 @dataclass(frozen=True)
-class KVCompressConfig:
+class KVCompressConfig(FromPreset):
     method: str = field(default="none", metadata={"help": (
         "KV compression of rollouts: none (dense) | snapkv | rkv | streaming | h2o | pyramidkv | keydiff")})
     budget: int = field(default=512, metadata={"help": (
@@ -79,48 +78,26 @@ class KVCompressConfig:
         "whose defaults are sparse-rl-fork's, the settings the Sparse-RL results were produced with")})
 
     FLAG_PREFIX: ClassVar[str] = "--kv-"
+    PRESETS: ClassVar[Mapping[str, KVPreset]] = PRESETS
+    # how a method scores: what a preset defines (presets.py); method, budget and layout stay the run's
+    PRESET_FIELDS: ClassVar[tuple[str, ...]] = ("window", "kernel_size", "pooling", "gqa_reduce", "mix_lambda",
+                                                "sim_threshold", "pyramid_beta")
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_budgets, tuple):  # a list from JSON / YAML
             object.__setattr__(self, "layer_budgets", tuple(self.layer_budgets))
-        if not self.preset:
-            object.__setattr__(self, "preset", self.equal_preset())
+        super().__post_init__()
 
-    def equal_preset(self) -> str:
-        """The preset that covers this method and whose knobs these all equal, or "custom"."""
-        return next((name for name, p in PRESETS.items() if (self.method in p.methods or not self.enabled)
-                     and all(getattr(self, k) == v for k, v in preset_values(name).items())), "custom")
+    def covered_by(self, preset: KVPreset) -> bool:
+        return self.method in preset.methods or not self.enabled
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "KVCompressConfig":
-        """The `kv` section of a run config: its `preset` (if it names one) with the knobs it sets on top."""
-        values = dict(values)
-        preset = values.pop("preset", "")
-        if preset in ("", "custom"):
-            return cls(**values)
-        return cls.from_preset(preset, **values)
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "KVCompressConfig":
-        """A preset's knobs (presets.py) with some overridden; the result is validated."""
-        if name not in PRESETS:
-            raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: choose one of {tuple(PRESETS)}")
+    def check_preset(cls, name: str, overrides: Mapping[str, Any]) -> None:
         method = overrides.get("method", cls.method)
         if method != "none" and method not in PRESETS[name].methods:
             covering = [n for n, p in PRESETS.items() if method in p.methods]
-            raise ValueError(f"{cls.FLAG_PREFIX}preset={name!r} is invalid: has no settings for "
-                             f"{cls.FLAG_PREFIX}method={method} (presets that do: {covering or 'none'})")
-        known = {f.name for f in dataclasses.fields(cls)} - {"preset"}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise ValueError(f"unknown kv option(s) {', '.join(cls._flag(k) for k in unknown)}")
-        cfg = cls(**{**preset_values(name), **overrides, "preset": name})
-        cfg.validate()
-        return cfg
-
-    @classmethod
-    def _flag(cls, name: str) -> str:
-        return cls.FLAG_PREFIX + name.replace("_", "-")
+            raise ValueError(f"{cls.flag('preset')}={name!r} is invalid: has no settings for "
+                             f"{cls.flag('method')}={method} (presets that do: {covering or 'none'})")
 
     @property
     def schedule(self) -> str:
