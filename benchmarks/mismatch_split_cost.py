@@ -42,6 +42,7 @@ from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 from slime_sparse.types import Sample  # noqa: E402
+from slime_sparse.rollout.base_types import RolloutPlan  # noqa: E402
 
 from benchmarks.rollout_bench import CLOCKS, PRESETS as BENCH_PRESETS, build_model  # noqa: E402
 
@@ -125,7 +126,8 @@ def one_step(row: RowSpec, engine, learner, clock, seed: int) -> dict[str, float
     t0 = clock()
     samples = rollout_samples(engine, row, engine.model.config.vocab_size, seed)
     t1 = clock()
-    prepared = pipeline.prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"), metrics_due=False)
+    prepared = pipeline.prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"),
+                                        plan=RolloutPlan(metrics_due=False))
     t2 = clock()
     for part in pipeline.split_steps(prepared.batch, 4):
         learner.train_step(part)

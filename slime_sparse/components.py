@@ -1,4 +1,5 @@
-"""The pieces of a run, built from its config: tokenizer, data stream, evaluation set, reward, learner, engine.
+"""The pieces of a run, built from its config: tokenizer, data stream, evaluation set, rollout function, reward,
+learner, engine. The user's modules (reward, rollout function, filters) are imported here, by the builders.
 
 The loop in `train.py` only calls the `Components` methods. Where the learner and the engine live is decided once,
 in `build_backends`: in this process (`factory.py`) or as Ray actors (`ray/build.py`, --use-ray); either way they
@@ -17,7 +18,9 @@ from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_le
 from slime_sparse.utils.hf import load_tokenizer
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
+from slime_sparse.flags import flag_for
 from slime_sparse.reward import get_reward_fn
+from slime_sparse.utils.imports import load_function
 from slime_sparse.utils.logging import progress_bar
 
 EVAL_KV = {"dense": KVCompressConfig(method="none")}  # evaluation modes besides "sparse" (eval.sparse_eval_kv)
@@ -31,6 +34,7 @@ class Components:
     reward_fn: Callable
     learner: Any
     engine: Any
+    rollout_fn: Callable  # --rollout-function-path (slime's signature: rollout/base_types.py)
     eval_sets: dict = field(default_factory=dict)  # {name: records} of each --eval-prompt-data set
     placement: Any = None  # what holds the learner and engine besides themselves (Ray: actors' placement group)
     _eval_engines: dict = field(default_factory=dict)
@@ -47,12 +51,13 @@ class Components:
             self._eval_engines[mode] = self.engine.with_kv(kv)
         return self._eval_engines[mode]
 
-    def save_checkpoint(self, save_dir: str, step: int) -> str:
+    def save_checkpoint(self, save_dir: str, step: int, data_state: dict | None = None) -> str:
+        """Checkpoint rollout `step` at the prompt stream's position `data_state` (None: where it is now)."""
         path = os.path.join(save_dir, f"rollout_{step:06d}")
         # the learner owns its state (Ray: rank 0 writes it); the loop adds the data position
         # the run config too: a resume under other experiment settings is refused (resume.py)
         extra = {CONFIG_KEY: checkpoint_config(self.cfg)}
-        self.learner.save_checkpoint(path, step=step, data_state=self.stream.state_dict(), extra=extra,
+        self.learner.save_checkpoint(path, step=step, data_state=data_state or self.stream.state_dict(), extra=extra,
                                      tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last)
         return path
 
@@ -95,6 +100,7 @@ def build_components(cfg: RunConfig) -> Components:
             f"give only {stream.num_batches}"
         )
     eval_sets = load_eval_sets(cfg, tokenizer)
+    rollout_fn = load_function(cfg.rollout.rollout_function_path, flag_for("rollout", "rollout_function_path"))
     reward_fn = get_reward_fn(cfg.reward)
     try:
         learner, engine, placement = build_backends(cfg)
@@ -102,7 +108,7 @@ def build_components(cfg: RunConfig) -> Components:
         getattr(reward_fn, "close", lambda: None)()
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
-                            engine=engine, eval_sets=eval_sets, placement=placement)
+                            engine=engine, rollout_fn=rollout_fn, eval_sets=eval_sets, placement=placement)
     try:
         components.sync_weights()
     except BaseException:

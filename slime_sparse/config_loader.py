@@ -1,14 +1,18 @@
-"""Where a RunConfig comes from: the command line and the YAML it names, merged over a preset, and back to YAML.
+"""Where a RunConfig comes from: the command line and the YAML it names, and back to YAML.
 
 Every source becomes ``{section: {field: value}}`` with values typed by the field annotations; the layers are
 merged field by field (defaults < preset < ``--config`` YAML < flags) and ``RunConfig.from_dict`` builds the rest
-(``slime_sparse.config``). The parser is generated from the sections' fields (``slime_sparse.flags`` names each
-flag), so a field added to a section is a flag, a YAML key and a ``--help`` line at once.
+(``slime_sparse.config``): that is `parse_config`, which reads nothing but the YAML. `load_config`, what the
+commands call, also checks what the config names (``slime_sparse.startup``) and slime's architecture flags
+against config.json (``slime_sparse.model_flags``). The parser is generated from the sections' fields
+(``slime_sparse.flags`` names each flag), so a field added to a section is a flag, a YAML key and a ``--help``
+line at once.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import types
@@ -20,11 +24,14 @@ import yaml
 
 from slime_sparse.config import SECTION_TYPES, SECTIONS, RunConfig, check_sections, field_type, tuple_type
 from slime_sparse.flags import ARG, DISABLE_PREFIX, FIXED, NO_FLAG, PASSTHROUGH_FIELD, SPELLINGS, flag_for
+from slime_sparse.model_flags import ARCH_FLAGS, arch_help, check_arch_flags
 from slime_sparse.rollout.sglang.config import split_passthrough
+from slime_sparse.startup import check_inputs
 
 # argparse destination prefix of slime's spellings (they are no field; `_spelled_values` turns them into fields)
 SPELLING_DEST = "spelling:"
 FIXED_DEST = "fixed:"  # and of slime's flags we take at one value (flags.FIXED; checked, then dropped)
+ARCH_DEST = "arch:"  # and of slime's architecture flags (model_flags.ARCH_FLAGS; checked against config.json)
 
 def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
     """Turn command-line strings into a value of annotation `tp` (int, float, str, bool, Optional, tuple). A tuple
@@ -99,6 +106,10 @@ def build_parser(prog: str = "slime-sparse-train",
     for flag, (section, tp, value, why) in FIXED.items():
         groups[section].add_argument(flag, dest=FIXED_DEST + flag, metavar=tp.__name__.upper(),
                                      help=f"accepted as slime's {flag} {value} only: {why} (default: {value})")
+    for flag, arch in ARCH_FLAGS.items():  # with Megatron's other flags
+        kw = ({"action": "store_true"} if arch.kind is None
+              else {"type": arch.kind, "metavar": arch.kind.__name__.upper()})
+        groups["megatron"].add_argument(flag, dest=ARCH_DEST + flag, help=f"{arch_help(flag)} (default: unset)", **kw)
     return parser
 
 
@@ -244,16 +255,16 @@ def _spelled_values(args: Mapping[str, Any], own: Mapping[str, Mapping[str, Any]
     return values
 
 
-def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> RunConfig:
-    """Parse flags (and the YAML they name) into a validated RunConfig. `base` is a preset dict of sections."""
+def parse_config(argv: list[str] | None = None) -> tuple[RunConfig, dict[str, Any]]:
+    """Flags (and the YAML they name) as a validated RunConfig, and slime's architecture flags given
+    ({flag: value}); nothing else is read (`load_config` checks what the config names)."""
     parser = build_parser()
     # like slime: any --sglang-X that is not ours goes to every SGLang server as --X
     argv, passthrough = split_passthrough(list(sys.argv[1:] if argv is None else argv),
                                           {o for a in parser._actions for o in a.option_strings})
     args = vars(parser.parse_args(argv))
-    layers = [check_sections(base or {}, "preset")]
-    if "config" in args:
-        layers.append(_read_yaml(args.pop("config")))
+    arch = {dest.removeprefix(ARCH_DEST): args.pop(dest) for dest in list(args) if dest.startswith(ARCH_DEST)}
+    layers = [_read_yaml(args.pop("config"))] if "config" in args else []
     layers.append(_flag_values(args))
     if passthrough:
         section, name = PASSTHROUGH_FIELD.split(".")
@@ -262,8 +273,22 @@ def load_config(argv: list[str] | None = None, *, base: dict | None = None) -> R
     for layer in layers:  # later layers win, field by field
         for section, values in layer.items():
             merged.setdefault(section, {}).update(values)
-    cfg = RunConfig.from_dict(merged).derived()
-    cfg.validate()
+    return RunConfig.from_dict(merged), arch
+
+
+def load_config(argv: list[str] | None = None) -> RunConfig:
+    """The run config of a command line, checked against the files and modules it names (slime_sparse.startup)
+    and against the architecture flags given (slime_sparse.model_flags)."""
+    cfg, arch = parse_config(argv)
+    cfg = check_inputs(cfg)
+    if arch:
+        where = os.path.join(cfg.train.hf_checkpoint, "config.json")
+        try:
+            with open(where, encoding="utf-8") as fh:
+                hf_config = json.load(fh)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{next(iter(arch))}: cannot read {where} to check it against ({exc})") from None
+        check_arch_flags(arch, hf_config, where)
     return cfg
 
 

@@ -11,6 +11,8 @@ slime flags we accept only at the one value that describes what we do (`--optimi
 """
 from __future__ import annotations
 
+from typing import Any
+
 # section of the run config -> prefix of its fields' flags (in the order of RunConfig's sections)
 SECTION_PREFIXES: dict[str, str] = {
     "train": "",
@@ -128,3 +130,26 @@ def flag_for(section: str, name: str) -> str:
     """The flag that sets field `name` of config section `section`."""
     prefix = SECTION_PREFIXES[section]
     return FLAG_ALIASES.get(f"{section}.{name}", "--" + prefix + name.replace("_", "-").removeprefix(prefix))
+
+
+# Checks of a section's values, each a one-line error naming the flag (the section class sets SECTION).
+def flag(section_obj: Any, name: str) -> str:
+    """The flag of field `name` of a config section object."""
+    return flag_for(section_obj.SECTION, name)
+
+
+def positive(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) <= 0:
+            raise ValueError(f"{flag(obj, name)}={getattr(obj, name)} is invalid: must be > 0")
+
+
+def non_negative(obj: Any, *names: str) -> None:
+    for name in names:
+        if getattr(obj, name) < 0:
+            raise ValueError(f"{flag(obj, name)}={getattr(obj, name)} is invalid: must be >= 0")
+
+
+def choice(obj: Any, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(obj, name) not in allowed:
+        raise ValueError(f"{flag(obj, name)}={getattr(obj, name)!r} is invalid: choose one of {allowed}")

@@ -1,7 +1,8 @@
 """From rollout samples to training batches: rewards -> advantages -> dense recompute -> correction.
 
-The steps every backend combination shares, as small functions over plain data. The training loop
-(`slime_sparse.train`) strings them together; learners and engines stay unaware of each other.
+The steps every backend combination shares, as small functions over plain data. The rollout function
+(`slime_sparse.rollout_fn`) and the training loop (`slime_sparse.train`) string them together; learners and
+engines stay unaware of each other.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from slime_sparse.algo import (
 )
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.logprobs import pad_right, response_mask
+from slime_sparse.rollout.base_types import RolloutPlan
 from slime_sparse.types import GenerationOutput, Sample
 
 
@@ -73,19 +75,19 @@ def sampler_logprobs(samples: list[Sample]) -> torch.Tensor:
                      dtype=torch.float32)
 
 
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *, trains_shadow: bool = False,
-                   metrics_due: bool = True) -> list[torch.Tensor] | None:
+def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
+                   plan: RolloutPlan = RolloutPlan()) -> list[torch.Tensor] | None:
     """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
     (`Sample.rejected`, what dynamic-sampling filters read: it depends on its own group only). Under shadow / smd
-    nothing is rejected (the PPO term trains the sampler's own policy).
+    (`plan.trains_shadow`) nothing is rejected (the PPO term trains the sampler's own policy).
 
     None, and no forward, when nothing needs pi_old: under --correction-bypass-mode with no rejection rule on a
-    rollout whose mismatch metrics are not due (`metrics_due`); only the non-finite rule then rejects."""
+    rollout without the mismatch split (`plan.mismatch_split`); only the non-finite rule then rejects."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     if min(response_lens) == 0:
         raise ValueError("a sample has an empty response; engines must return at least one token")
-    old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or metrics_due else None
+    old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or plan.mismatch_split else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)  # xi = 1: judges finiteness
     # OPSM reads only the advantages' signs, which the std normalisation does not change
@@ -93,7 +95,7 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     kept = sparsity_correction(logp_old, logp_sparse, response_mask(response_lens), correction,
                                advantages=advantages).seq_kept
     for s, k in zip(samples, kept.tolist()):
-        s.rejected = not trains_shadow and not k
+        s.rejected = not plan.trains_shadow and not k
     return old
 
 
@@ -146,40 +148,40 @@ def prepare_rollout(
     normalize_std: bool = True,
     need_ref: bool = False,
     old: list[torch.Tensor] | None = None,
-    trains_shadow: bool = False,
-    metrics_due: bool = True,
+    plan: RolloutPlan = RolloutPlan(),
 ) -> PreparedRollout:
-    """Advantages, dense pi_old (unless given: the loop has it from `dense_logprobs`) and pi_ref recompute, and
-    the sparsity correction over the whole train batch.
+    """Advantages, dense pi_old (unless given: the rollout function has it from `dense_logprobs`) and pi_ref
+    recompute, and the sparsity correction over the whole train batch.
 
     The correction (incl. batch normalisation of weights) is computed once per rollout, over all of its samples,
     before the optimizer steps: its inputs (pi_old, pi_sparse, the advantages OPSM reads) do not change during them.
 
     --correction-bypass-mode: the PPO anchor is the sampler's own log-prob (no weights); the dense pi_old is
-    computed only when a rejection rule reads it or `metrics_due`.
+    computed only when a rejection rule reads it or the mismatch split is due.
 
-    `metrics_due` (--mismatch-metrics-interval): the mismatch split, mismatch/sparsity/* (dense pi_old against
+    `plan` (RunConfig.rollout_plan, carried by the rollout's output): `plan.mismatch_split` (due every
+    --mismatch-metrics-interval rollouts): the mismatch split, mismatch/sparsity/* (dense pi_old against
     pi_shadow, the recompute under each sample's eviction record) and mismatch/numeric/* (pi_shadow against the
     sampler), at the cost of one shadow forward under sparse_rl (`perf/mismatch_split_s`); free, so every rollout,
     under shadow / smd.
 
-    trains_shadow (--loss-type shadow / smd): the PPO term trains pi_shadow, so pi_old (and pi_ref) are recomputed under each sample's
-    eviction record and nothing is corrected or rejected (pi_shadow is the sampler's policy). The dense pi_old is
+    `plan.trains_shadow` (--loss-type shadow / smd): the PPO term trains pi_shadow, so pi_old (and pi_ref) are
+    recomputed under each sample's eviction record and nothing is corrected or rejected (pi_shadow is the
+    sampler's policy). The dense pi_old is
     still computed, for the mismatch metrics (how far the dense policy is from the sampler: what SMD distils) and
     the correction's metrics (what sparse_rl would have rejected); `shadow/*` compares pi_shadow with pi_sparse
     (~0: the recompute is exact up to the learner's numerics).
     """
-    if trains_shadow and correction.bypass_mode:
+    if plan.trains_shadow and correction.bypass_mode:
         raise ValueError("--correction-bypass-mode with --loss-type shadow / smd: their PPO anchor is already the "
                          "sampler's own policy (pi_shadow)")
     advantages, adv_metrics = group_advantages(samples, normalize_std)
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
-    shadow = shadow_records(samples, trains_shadow)
+    shadow = shadow_records(samples, plan.trains_shadow)
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
     if old is None:
-        old = dense_logprobs(samples, learner, correction, trains_shadow=trains_shadow,
-                             metrics_due=metrics_due or trains_shadow)
+        old = dense_logprobs(samples, learner, correction, plan=plan)
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)
@@ -212,7 +214,7 @@ def prepare_rollout(
         metrics.update(shadow_metrics(pad_right(shadow_old, 0.0, dtype=torch.float32), logp_sparse, mask))
         batch.old_logprobs, batch.evictions, batch.weights = shadow_old, shadow, None
         batch.loss_masks = [mask[i, :n] for i, n in enumerate(response_lens)]
-    if old is not None and (metrics_due or shadow is not None):
+    if old is not None and plan.mismatch_split:
         t0 = time.perf_counter()
         split = shadow_old if shadow_old is not None else shadow_logprobs_for_split(samples, learner, old)
         if split is not None:

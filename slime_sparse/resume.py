@@ -11,9 +11,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import logging
+
 from slime_sparse.config import RunConfig
 from slime_sparse.flags import flag_for
-from slime_sparse.utils.checkpoint import checkpoint_to_resume, list_checkpoints
+from slime_sparse.preflight import warn
+from slime_sparse.startup import StartupError
+from slime_sparse.utils.checkpoint import UnreadableCheckpoint, checkpoint_to_resume, list_checkpoints
+
+logger = logging.getLogger("slime_sparse.train")
 
 # sections compared whole (but for schedule fields in them), and single fields of other sections
 EXPERIMENT_SECTIONS = ("data", "sampling", "kv", "loss", "correction")
@@ -62,3 +68,36 @@ def _show(value: Any) -> str:
     if isinstance(value, list):
         return ",".join(map(str, value)) or "unset"
     return "unset" if value in (None, "") else str(value)
+
+
+def check_experiment(cfg: RunConfig, checkpoint: str, saved: dict | None) -> None:
+    """Refuse (one line) to resume `checkpoint` under other experiment fields, unless --allow-config-change."""
+    changes = experiment_changes(saved, checkpoint_config(cfg))
+    if not changes:
+        return
+    if cfg.train.allow_config_change:
+        warn(f"resuming {checkpoint} with a changed experiment ({'; '.join(changes)}): "
+             f"{flag_for('train', 'allow_config_change')} is given")
+        return
+    raise StartupError(f"{checkpoint} was trained with other settings: {'; '.join(changes)}. Rerun with its settings, "
+                       f"start a new {flag_for('log', 'run_dir')}, or pass {flag_for('train', 'allow_config_change')}")
+
+
+def resume(components, candidates: list[str]) -> tuple[int, str | None]:
+    """Load the first readable checkpoint of `candidates` (newest first) into the run's `components`: its rollout
+    and path, or (0, None)
+    without one. An unreadable one (truncated or corrupt files) is skipped with a warning; any other mismatch
+    stops the run."""
+    for i, path in enumerate(candidates):
+        try:
+            start = components.load_checkpoint(path)
+        except UnreadableCheckpoint as exc:
+            if i + 1 < len(candidates):
+                warn(f"{exc}: resuming from the previous checkpoint, {candidates[i + 1]}")
+                continue
+            raise StartupError(f"cannot resume: {exc}") from exc
+        except ValueError as exc:
+            raise StartupError(f"cannot resume from {path}: {exc}") from exc
+        logger.info("resumed from %s at rollout %d", path, start)
+        return start, path
+    return 0, None

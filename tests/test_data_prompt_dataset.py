@@ -237,6 +237,7 @@ def test_config_validation_names_the_flag(tmp_path, overrides, flag):
     cfg = DataConfig(**{"prompt_data": path, **overrides})
     with pytest.raises(ValueError, match=flag):
         cfg.validate()
+        cfg.check_inputs()  # the file itself: checked at start-up, not when the config is built
 
 
 # ----------------------------------------------------------------------------------------------- stream

@@ -16,6 +16,7 @@ from slime_sparse.rollout.filter_hub import (DynamicFilterOutput, check_min_kept
                                              load_filters, round_size, select_groups)
 from slime_sparse.train import main
 from slime_sparse.types import Sample
+from slime_sparse.rollout.base_types import RolloutPlan
 from tiny_runs import read_metrics, rollout_rows
 from tiny_runs import run_args as args
 
@@ -241,5 +242,6 @@ def test_only_sparse_rl_marks_samples_rejected(loss_type, rejected):
 
     samples = group(0, [1, 0])
     trains_shadow = LossConfig(loss_type=loss_type).trains_shadow
-    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"), trains_shadow=trains_shadow)
+    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"),
+                   plan=RolloutPlan(trains_shadow=trains_shadow))
     assert [s.rejected for s in samples] == rejected  # shadow / smd train the sampler's policy: nothing rejected

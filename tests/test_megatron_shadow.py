@@ -18,6 +18,7 @@ from slime_sparse.pipeline import prepare_rollout  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 from slime_sparse.types import Sample  # noqa: E402
+from slime_sparse.rollout.base_types import RolloutPlan  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -60,7 +61,7 @@ def setup(tmp_path_factory):
                for o, r in zip(outs, [1.0, 0.0, 0.5])]
     embedded = EmbeddedLearner(model, LOSS, optim=OptimConfig(**OPTIM), batching=MicroBatching(MAX_TOKENS),
                                temperature=TEMPERATURE)
-    batch = prepare_rollout(samples, embedded, CorrectionConfig(), trains_shadow=True).batch
+    batch = prepare_rollout(samples, embedded, CorrectionConfig(), plan=RolloutPlan(trains_shadow=True)).batch
     reference = {"sampler": [torch.tensor(o.logprobs) for o in outs], "metrics": embedded.train_step(batch),
                  "grads": {n: p.grad.clone() for n, p in embedded.model.named_parameters()}}
     per_rank = spawn(_worker, 2, hf_dir, batch, [o.evictions for o in outs], result_dir=str(root), timeout_s=560)

@@ -111,7 +111,7 @@ def assert_weights_close(got, want):
 def test_megatron_load_rejects_a_training_checkpoint(tmp_path):
     (tmp_path / "trainer_state.json").write_text("{}")
     with pytest.raises(ValueError, match="--hf-checkpoint"):
-        MegatronConfig(load=str(tmp_path)).validate()
+        MegatronConfig(load=str(tmp_path)).check_inputs()
 
 
 def test_single_process_run_matches_embedded_and_resumes_exactly(assets, embedded_run, tmp_path):

@@ -17,6 +17,7 @@ from slime_sparse.pipeline import dense_logprobs, prepare_rollout
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.types import Sample
+from slime_sparse.rollout.base_types import RolloutPlan
 
 TEMP = 0.9
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -81,15 +82,17 @@ def test_the_two_parts_add_up_to_the_total_per_token_and_numeric_is_zero_in_fp32
 
 def test_the_split_costs_one_shadow_forward_and_follows_the_cadence():
     samples, learner = rollout(RKV)
-    prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"), metrics_due=True)
+    prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"), plan=RolloutPlan(metrics_due=True))
     assert learner.calls == ["dense", "shadow"]
     learner.calls.clear()
-    metrics = prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"), metrics_due=False).metrics
+    metrics = prepare_rollout(samples, learner, CorrectionConfig.from_preset("mis"),
+                              plan=RolloutPlan(metrics_due=False)).metrics
     assert learner.calls == ["dense"] and not any(k.startswith(("mismatch/sparsity", "mismatch/numeric")) for k in metrics)
     assert "mismatch/k3" in metrics  # the total needs no extra forward under sparse_rl
     # under shadow the shadow forward is paid for anyway: the split is free, on every rollout
     learner.calls.clear()
-    metrics = prepare_rollout(samples, learner, CorrectionConfig(), trains_shadow=True, metrics_due=False).metrics
+    metrics = prepare_rollout(samples, learner, CorrectionConfig(),
+                              plan=RolloutPlan(trains_shadow=True, metrics_due=False)).metrics
     assert learner.calls == ["dense", "shadow"] and "mismatch/numeric/k3" in metrics
 
 
@@ -115,7 +118,7 @@ def test_no_split_when_a_compressed_sample_has_no_record():
 def test_bypass_anchors_ppo_at_the_sampler_and_skips_the_dense_forward_when_nothing_needs_it():
     samples, learner = rollout(RKV)
     bypass = CorrectionConfig.from_preset("bypass_ppo_clip")
-    prepared = prepare_rollout(samples, learner, bypass, metrics_due=False)
+    prepared = prepare_rollout(samples, learner, bypass, plan=RolloutPlan(metrics_due=False))
     assert learner.calls == []  # no dense recompute, no shadow forward
     for got, s in zip(prepared.batch.old_logprobs, samples):
         assert torch.equal(got, torch.tensor(s.rollout_logprobs, dtype=torch.float32))
@@ -127,11 +130,11 @@ def test_bypass_anchors_ppo_at_the_sampler_and_skips_the_dense_forward_when_noth
     assert metrics["ppo_kl"] != 0.0
 
     learner.calls.clear()
-    due = prepare_rollout(samples, learner, bypass, metrics_due=True)
+    due = prepare_rollout(samples, learner, bypass, plan=RolloutPlan(metrics_due=True))
     assert learner.calls == ["dense", "shadow"] and "mismatch/k1" in due.metrics and "mismatch/numeric/k1" in due.metrics
     learner.calls.clear()
     rule = CorrectionConfig(bypass_mode=True, rs=("token_k3",), rs_threshold=("1e-4",))
-    ruled = prepare_rollout(samples, learner, rule, metrics_due=False)
+    ruled = prepare_rollout(samples, learner, rule, plan=RolloutPlan(metrics_due=False))
     assert learner.calls == ["dense"]  # the rule reads xi
     assert all(torch.equal(got, torch.tensor(s.rollout_logprobs, dtype=torch.float32))
                for got, s in zip(ruled.batch.old_logprobs, samples))
@@ -142,10 +145,11 @@ def test_bypass_anchors_ppo_at_the_sampler_and_skips_the_dense_forward_when_noth
 def test_bypass_marks_nonfinite_samples_without_the_dense_forward():
     samples, learner = rollout(RKV)
     samples[2].rollout_logprobs = [float("-inf")] + samples[2].rollout_logprobs[1:]
-    assert dense_logprobs(samples, learner, CorrectionConfig(bypass_mode=True), metrics_due=False) is None
+    assert dense_logprobs(samples, learner, CorrectionConfig(bypass_mode=True),
+                          plan=RolloutPlan(metrics_due=False)) is None
     assert learner.calls == [] and [s.rejected for s in samples] == [False, False, True, False]
     with pytest.raises(ValueError, match="bypass-mode with --loss-type shadow"):
-        prepare_rollout(samples, learner, CorrectionConfig(bypass_mode=True), trains_shadow=True)
+        prepare_rollout(samples, learner, CorrectionConfig(bypass_mode=True), plan=RolloutPlan(trains_shadow=True))
 
 
 # ------------------------------------------------------------------------------------------------ in a run

@@ -53,7 +53,7 @@ def test_builtins_are_registered():
 
 def test_unknown_rm_type_names_the_flag():
     with pytest.raises(ValueError, match=r"--rm-type 'gsm9k' is not a registered reward.*'math'"):
-        RewardConfig(rm_type="gsm9k").validate()
+        RewardConfig(rm_type="gsm9k").check_inputs()
     with pytest.raises(ValueError, match="--rm-type"):
         RewardConfig(rm_type="  ").validate()
     with pytest.raises(ValueError, match="--rm-type"):
@@ -101,7 +101,7 @@ def test_custom_path_both_spellings(custom_module):
 def test_bad_custom_paths_name_the_flag(custom_module, path, match):
     path, match = path.format(mod=custom_module), match.format(mod=custom_module)
     with pytest.raises(ValueError, match=match):
-        RewardConfig(custom_rm_path=path).validate()
+        RewardConfig(custom_rm_path=path).check_inputs()
 
 
 def test_custom_path_wins_over_rm_type_and_runs_in_workers(custom_module):
@@ -141,4 +141,4 @@ def test_custom_path_finds_a_module_in_the_working_directory(tmp_path, monkeypat
     finally:
         sys.modules.pop("my_cwd_reward", None)
     with pytest.raises(ValueError, match="cannot import module 'not_here_either'"):
-        RewardConfig(custom_rm_path="not_here_either:score").validate()
+        RewardConfig(custom_rm_path="not_here_either:score").check_inputs()

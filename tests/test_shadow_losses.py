@@ -16,6 +16,7 @@ from slime_sparse.pipeline import prepare_rollout, shadow_records
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine, KVTraceRecord
 from slime_sparse.types import KVStats, Sample
+from slime_sparse.rollout.base_types import RolloutPlan
 
 TEMP = 0.9
 TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -140,7 +141,7 @@ def test_smd_gradient_equals_independent_autograd(granularity):
     loss_cfg = LossConfig(loss_type="smd", smd_kl_coef=coef)
     learner = EmbeddedLearner(model, loss_cfg, optim=OptimConfig(lr=1e-3, clip_grad=0.0),
                               batching=MicroBatching(max_tokens=40), temperature=TEMP)  # several micro-batches
-    prepared = prepare_rollout(samples, learner, CorrectionConfig(), trains_shadow=True)
+    prepared = prepare_rollout(samples, learner, CorrectionConfig(), plan=RolloutPlan(trains_shadow=True))
     assert prepared.metrics["shadow/abs_diff_max"] < 1e-5  # pi_shadow recomputed == pi_sparse
     assert prepared.batch.weights is None and all(bool(m.all()) for m in prepared.batch.loss_masks)
 
@@ -168,7 +169,7 @@ def test_shadow_rollout_trains_on_pi_shadow_without_correction():
     # a correction that would reject every token under sparse_rl: shadow trains on all of them anyway
     strict = CorrectionConfig(token_mask_low=0.999999, token_mask_high=1.000001)
     dense = prepare_rollout(samples, learner, strict)
-    shadow = prepare_rollout(samples, learner, strict, trains_shadow=True)
+    shadow = prepare_rollout(samples, learner, strict, plan=RolloutPlan(trains_shadow=True))
     assert dense.metrics["mismatch/k3"] > 1e-5 and shadow.metrics["mismatch/k3"] == dense.metrics["mismatch/k3"]
     assert shadow.metrics["shadow/abs_diff_max"] < 1e-5 and shadow.metrics["shadow/k3"] < 1e-9
     assert sum(float(m.sum()) for m in dense.batch.loss_masks) < sum(len(o.response_ids) for o in outs)

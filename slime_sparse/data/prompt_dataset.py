@@ -57,17 +57,16 @@ class DataConfig:
         "a named column must be in every row")})
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending flag; also checks that the data file exists."""
-        if not isinstance(self.prompt_data, str) or not self.prompt_data:
+        """Raise ValueError naming the offending flag. An unset --prompt-data is valid here (a config of defaults);
+        a run requires it (slime_sparse.startup)."""
+        if not isinstance(self.prompt_data, str):
             raise ValueError(f"--prompt-data must be a path to a local file, got {self.prompt_data!r}")
         suffix = os.path.splitext(self.prompt_data)[1].lower()
-        if suffix not in _BUILDERS:
+        if self.prompt_data and suffix not in _BUILDERS:
             raise ValueError(
                 f"--prompt-data {self.prompt_data!r}: unsupported file type {suffix!r}, "
                 f"expected one of {sorted(_BUILDERS)}"
             )
-        if not os.path.isfile(self.prompt_data):
-            raise ValueError(f"--prompt-data {self.prompt_data!r} does not exist (only local files are read)")
         if not isinstance(self.input_key, str) or not self.input_key:
             raise ValueError(f"--input-key must be a non-empty string, got {self.input_key!r}")
         if self.label_key is not None and (not isinstance(self.label_key, str) or not self.label_key):
@@ -84,6 +83,13 @@ class DataConfig:
             raise ValueError(f"--rollout-seed must be a non-negative int, got {self.seed!r}")
         if not _is_int(self.num_epochs) or self.num_epochs < 1:
             raise ValueError(f"--num-epoch must be an int >= 1, got {self.num_epochs!r}")
+
+    def check_inputs(self) -> None:
+        """--prompt-data is a local file (checked at start-up, not when the config is built)."""
+        if not self.prompt_data:
+            raise ValueError(f"--prompt-data must be a path to a local file, got {self.prompt_data!r}")
+        if not os.path.isfile(self.prompt_data):
+            raise ValueError(f"--prompt-data {self.prompt_data!r} does not exist (only local files are read)")
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,7 @@ class PromptDataset:
 
     def __init__(self, cfg: DataConfig, tokenizer: Any) -> None:
         cfg.validate()
+        cfg.check_inputs()
         if cfg.apply_chat_template and getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("--apply-chat-template is set but the tokenizer has no chat_template")
         self.cfg = cfg

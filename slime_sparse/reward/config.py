@@ -49,7 +49,7 @@ class RewardConfig:
         "memory scores 0 and is counted (not enforced with --rm-num-workers 0)")})
 
     def validate(self) -> None:
-        """Raise ValueError naming the offending flag; imports the custom grader to check it exists."""
+        """Raise ValueError naming the offending flag (values only: the grader is found by `check_inputs`)."""
         if not isinstance(self.timeout_s, (int, float)) or not math.isfinite(self.timeout_s) or self.timeout_s <= 0:
             raise ValueError(f"--rm-timeout (reward grader timeout) must be a positive number, got {self.timeout_s!r}")
         if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int) or self.num_workers < 0:
@@ -59,6 +59,12 @@ class RewardConfig:
         if isinstance(self.memory_limit_mb, bool) or not isinstance(self.memory_limit_mb, int) or not (
                 self.memory_limit_mb == 0 or self.memory_limit_mb >= 256):
             raise ValueError(f"--rm-memory-limit-mb must be 0 (no cap) or an int >= 256, got {self.memory_limit_mb!r}")
+        if self.custom_rm_path is None and (not isinstance(self.rm_type, str) or not self.rm_type.strip()):
+            raise ValueError(f"--rm-type must be a non-empty string (or pass --custom-rm-path), got {self.rm_type!r}")
+
+    def check_inputs(self) -> None:
+        """The grader exists: the custom one imports, or --rm-type is registered (at start-up: building the
+        config imports no grader)."""
         self.resolve_grader()
 
     def resolve_grader(self) -> Grader:

@@ -39,6 +39,9 @@ class MegatronConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "vocab_divisible_by"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{flag_for('megatron', name)} must be >= 1, got {getattr(self, name)}")
+
+    def check_inputs(self) -> None:
+        """--ref-load is our converter's Megatron checkpoint (at start-up, not when the config is built)."""
         load = flag_for("megatron", "load")
         if self.load and not os.path.isdir(self.load):
             raise ValueError(f"{load}={self.load!r} is not a directory")

@@ -1,0 +1,92 @@
+"""The default rollout function (slime's --rollout-function-path): generation rounds with dynamic sampling.
+
+`generate_rollout(cfg, rollout_id, data_source, evaluation=False)` has slime's signature. `data_source` is the
+run's Components: its prompt stream (slime's data source) and the engine, tokenizer, reward function and learner a
+rollout uses (slime's function reaches its SGLang servers through globals). Another function given by
+--rollout-function-path replaces this one and receives the same; it returns the groups to train on
+(slime_sparse.rollout.base_types).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+from slime_sparse.pipeline import assign_rewards, dense_logprobs, response_metrics, to_samples
+from slime_sparse.rollout.base_types import RolloutFnTrainOutput
+from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
+from slime_sparse.rollout.sampling import derive_seed
+from slime_sparse.types import Sample
+
+logger = logging.getLogger("slime_sparse.train")
+
+
+def rollout_seed(cfg, rollout_id: int, round_id: int = 0) -> int:
+    """Sampling seed of one generation round of a rollout: a pure function of (seed, rollout id, round), so a
+    resumed run draws the same. Round 0 (the only one without dynamic sampling) keeps the plain formula."""
+    seed = cfg.train.seed * 1_000_003 + rollout_id
+    return seed if round_id == 0 else derive_seed(seed, -round_id)
+
+
+def generate_rollout(cfg, rollout_id: int, data_source, evaluation: bool = False) -> RolloutFnTrainOutput:
+    """Generation rounds until the batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path
+    (slime's dynamic sampling, DAPO), at most --dynamic-sampling-max-rounds of them. A round draws prompts
+    (`round_size`: --over-sampling-batch-size first), generates, scores, recomputes pi_old (the filters see which
+    samples the correction rejects) and judges its groups in stream order; the groups after the last one the batch
+    needed go back to the prompt stream, so every prompt is trained on or dropped (counted) exactly once.
+
+    Metrics: rollout/* over every generated sample, dynamic sampling's counts, timings."""
+    if evaluation:  # slime routes evaluation through the rollout function; here it is slime_sparse.eval's
+        raise ValueError("slime_sparse.rollout_fn.generate_rollout generates train rollouts only: evaluation runs "
+                         "through slime_sparse.eval")
+    n, target = cfg.rollout.n_samples_per_prompt, cfg.rollout.rollout_batch_size
+    plan = cfg.rollout_plan(rollout_id)
+    filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
+    out = RolloutFnTrainOutput(samples=[], plan=plan, old_logprobs=[])
+    generated: list[Sample] = []
+    counts: Counter = Counter()
+    t_rollout = t_recompute = 0.0
+    for round_id in range(cfg.rollout.dynamic_sampling_max_rounds):
+        kept = len(out.samples)
+        size = round_size(cfg.rollout.sampling_batch_size, need=target - kept, kept=kept,
+                          judged=kept + counts["rollout/groups_dropped"])
+        records = data_source.stream.next_batch(size)
+        t0 = time.perf_counter()
+        outputs = data_source.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
+                                              seed=rollout_seed(cfg, rollout_id, round_id))
+        t_rollout += time.perf_counter() - t0
+        samples = to_samples(records, outputs, n)
+        counts.update(assign_rewards(samples, data_source.tokenizer, data_source.reward_fn))
+        t1 = time.perf_counter()
+        old = dense_logprobs(samples, data_source.learner, cfg.correction, plan=plan)
+        t_recompute += time.perf_counter() - t1
+
+        groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+        selection = select_groups(groups, filters, cfg, target - len(out.samples))
+        data_source.stream.put_back(len(groups) - selection.judged)
+        out.samples += [groups[g] for g in selection.kept]
+        out.old_logprobs = None if old is None else out.old_logprobs + [old[g * n + j] for g in selection.kept
+                                                                        for j in range(n)]
+        generated += samples
+        counts.update({"rollout/groups_generated": len(groups),
+                       "rollout/groups_put_back": len(groups) - selection.judged,
+                       "rollout/groups_dropped": sum(selection.dropped.values()), "rollout/gen_rounds": 1,
+                       **{f"rollout/dynamic_filter/drop_{k}": v for k, v in selection.dropped.items()}})
+        if len(out.samples) == target:
+            break
+    else:
+        logger.warning("rollout %d: dynamic sampling kept %d of --rollout-batch-size=%d groups in "
+                       "--dynamic-sampling-max-rounds=%d rounds; training on those", rollout_id,
+                       len(out.samples), target, cfg.rollout.dynamic_sampling_max_rounds)
+    gen_tokens = sum(len(s.response_ids) for s in generated)
+    train_tokens = sum(len(s.response_ids) for group in out.samples for s in group)
+    out.metrics = {
+        **response_metrics(generated), **{k: float(v) for k, v in counts.items()},
+        "rollout/groups_kept": float(len(out.samples)),
+        "rollout/dynamic_sampling_exhausted": float(len(out.samples) < target),
+        "rollout/gen_tokens": float(gen_tokens),
+        "rollout/gen_tokens_per_train_token": gen_tokens / max(train_tokens, 1),
+        "perf/rollout_s": t_rollout, "perf/recompute_s": t_recompute,
+        "perf/rollout_tokens_per_s": gen_tokens / max(t_rollout, 1e-9),
+    }
+    return out
