@@ -1,7 +1,8 @@
 """Typed run configuration: one dataclass per concern, composed into RunConfig, validated once when it is built.
 
-Each component owns its config section (``LossConfig`` in ``algo``, ``KVCompressConfig`` in ``kv``, the run's
-own train / rollout / eval / log / cluster in ``slime_sparse.sections``); this module only composes them. Every
+Each component owns its config section (``RolloutConfig`` in ``rollout``, ``LossConfig`` in ``algo``,
+``KVCompressConfig`` in ``kv``, the run's own train / eval / log / cluster in ``slime_sparse.sections``); this
+module only composes them. Every
 field has a flag (``slime_sparse.flags``): slime's name where slime has one (``--rollout-batch-size``,
 ``--eps-clip``, ``--kl-loss-type``, ...), else ``--<section prefix><field>``. Precedence: dataclass defaults <
 preset < YAML (``--config``) < flags.
@@ -27,11 +28,12 @@ from slime_sparse.backends.megatron.config import MegatronConfig  # no megatron-
 from slime_sparse.data.prompt_dataset import DataConfig
 from slime_sparse.flags import SECTION_PREFIXES, flag_for
 from slime_sparse.reward import RewardConfig
-from slime_sparse.rollout.base_types import RolloutPlan
 from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.rollout.base_types import RolloutPlan
+from slime_sparse.rollout.config import RolloutConfig
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig
-from slime_sparse.sections import ClusterConfig, EvalConfig, LogConfig, RolloutConfig, TrainConfig
+from slime_sparse.sections import ClusterConfig, EvalConfig, LogConfig, TrainConfig
 
 __all__ = ["ClusterConfig", "EvalConfig", "LogConfig", "RolloutConfig", "RunConfig", "SECTIONS", "SECTION_TYPES",
            "TrainConfig", "build_section", "check_sections"]

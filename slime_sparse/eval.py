@@ -120,22 +120,11 @@ def build_eval_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def prepare_output(path: str) -> None:
-    """Create the report's directory and check it is writable now, so that a bad --output fails before the
-    evaluation rather than after it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    try:
-        os.makedirs(directory, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"--output {path}: cannot create its directory ({exc.strerror})") from None
-    if os.path.isdir(path) or not os.access(directory, os.W_OK):
-        raise ValueError(f"--output {path}: not a writable file path")
-
-
 def main(argv: list[str] | None = None) -> int:
     from slime_sparse.config_loader import load_config
     from slime_sparse.factory import EngineSpec, build_engine
     from slime_sparse.utils.hf import load_tokenizer
+    from slime_sparse.utils.paths import check_writable_file
     from slime_sparse.reward import RewardFailure, get_reward_fn
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -152,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         rest += ["--eval-prompt-data", rest[rest.index("--prompt-data") + 1]]
     try:
         cfg = load_config(rest)
-        prepare_output(known.output)
+        check_writable_file(known.output, "--output")  # before the evaluation, not after it
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -172,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # one bare path: the report itself, as before; named sets: {name: report}
     out = reports[""] if list(reports) == [""] else reports
+    os.makedirs(os.path.dirname(os.path.abspath(known.output)), exist_ok=True)
     with open(known.output, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=2)
     print(json.dumps({name: {k: v for k, v in r.items() if k != "kv"} for name, r in reports.items()}, indent=2))

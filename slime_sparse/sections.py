@@ -1,6 +1,6 @@
-"""The run's own config sections: what to train (train), how rollouts are gathered (rollout), evaluation (eval),
-logging (log) and where the learner and engines run (cluster). The components' sections live with them
-(`LossConfig` in algo, `KVCompressConfig` in kv, ...); slime_sparse.config composes them all into RunConfig.
+"""The run's own config sections: what to train (train), evaluation (eval), logging (log) and where the learner
+and engines run (cluster). The components' sections live with them (`RolloutConfig` in rollout, `LossConfig` in
+algo, `KVCompressConfig` in kv, ...); slime_sparse.config composes them all into RunConfig.
 
 Each section checks its values in `validate` (pure: run once when the config is built) and, where its values
 name files or modules, those in `check_inputs` (at start-up, by slime_sparse.startup: building a config touches
@@ -15,103 +15,10 @@ from typing import Any, ClassVar, Mapping
 from slime_sparse.backends.megatron.config import MEGATRON_LM_TRACKER  # no megatron-core import
 from slime_sparse.flags import choice, flag, non_negative, positive
 from slime_sparse.kv.config import METHODS as KV_METHODS
-from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.utils.checkpoint import STATE_FILE
-from slime_sparse.utils.imports import load_function
 from slime_sparse.utils.lm_head import FP32_LM_HEAD_HELP
 
 TRAIN_BACKENDS = ("embedded", "megatron")
-ROLLOUT_ENGINES = ("embedded", "sglang")
-ADVANTAGE_ESTIMATORS = ("grpo",)
-# our former estimator name, kept as a spelling of slime's --disable-grpo-std-normalization
-DR_GRPO = "dr_grpo"
-DEFAULT_ROLLOUT_FUNCTION = "slime_sparse.rollout_fn.generate_rollout"
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    SECTION: ClassVar[str] = "rollout"
-
-    rollout_batch_size: int = field(default=128, metadata={"help": (
-        "prompts per rollout (slime: required); 128 here, the paper's")})
-    n_samples_per_prompt: int = field(default=8, metadata={"help": (
-        "samples of each prompt, the GRPO group (slime's default 1); 8 here, the paper's")})
-    engine: str = field(default="embedded", metadata={"help": (
-        "embedded (pure PyTorch, in process or a Ray actor) | sglang (patched SGLang servers)")})
-    max_batch_size: int = field(default=64, metadata={"help": "sequences decoded at once per engine"})
-    cuda_graph: bool = field(default=True, metadata={"help": (
-        "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
-        "--disable-cuda-graph (SGLang's name) runs them eagerly. SGLang servers: --sglang-cuda-graph")})
-    advantage_estimator: str = field(default="grpo", metadata={"help": (
-        "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples; dr_grpo is accepted as the spelling of "
-        "grpo with --disable-grpo-std-normalization")})
-    grpo_std_normalization: bool = field(default=True, metadata={"help": (
-        "divide GRPO advantages by the group's std; --disable-grpo-std-normalization: A = R - mean (Dr.GRPO)")})
-    over_sampling_batch_size: int | None = field(default=None, metadata={"help": (
-        "prompts the first generation round draws (slime's; default --rollout-batch-size): rounds repeat until the "
-        "batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path. Later rounds draw what is "
-        "still needed over the pass rate so far, at most this many (slime: this many each time, but it aborts what "
-        "it does not need); groups a round made but the batch did not need go back to the prompt stream (slime "
-        "drops them)")})
-    dynamic_sampling_filter_path: tuple[str, ...] = field(default=(), metadata={"help": (
-        "dynamic-sampling filters (DAPO), each 'package.module.function' (slime's) or 'package.module:function', "
-        "fn(cfg, samples) -> DynamicFilterOutput | bool per group; a group must pass each. Built in: "
-        "check_reward_nonzero_std (drop groups of equal rewards), check_reward_nonzero_std_with_fallback, "
-        "check_min_kept_samples (drop groups with fewer than --dynamic-sampling-min-kept-samples samples the "
-        "sparsity correction kept); see slime_sparse/rollout/filter_hub.py")})
-    dynamic_sampling_min_kept_samples: int = field(default=1, metadata={"help": (
-        "check_min_kept_samples: the fewest samples of a group the sparsity correction must keep (not in slime)")})
-    dynamic_sampling_max_rounds: int = field(default=10, metadata={"help": (
-        "generation rounds per rollout, the first included (verl's max_num_gen_batches; slime has no bound): when "
-        "they are spent the rollout trains on the groups it has, with a warning and "
-        "rollout/dynamic_sampling_exhausted = 1")})
-    rollout_function_path: str = field(default=DEFAULT_ROLLOUT_FUNCTION, metadata={"help": (
-        "the function that generates a rollout, 'package.module.function' or 'package.module:function', with "
-        "slime's signature fn(cfg, rollout_id, data_source, evaluation=False) -> RolloutFnTrainOutput | "
-        "list[list[Sample]] (slime_sparse/rollout/base_types.py); data_source holds the prompt stream, the engine, "
-        "the reward function and the learner. The default draws, generates, scores and filters in rounds "
-        "(dynamic sampling, over-sampling)")})
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> "RolloutConfig":
-        values = dict(values)
-        if isinstance(values.get("dynamic_sampling_filter_path"), str):  # one path (YAML)
-            values["dynamic_sampling_filter_path"] = (values["dynamic_sampling_filter_path"],)
-        if values.get("advantage_estimator") == DR_GRPO:
-            values.update(advantage_estimator="grpo", grpo_std_normalization=False)
-        return cls(**values)
-
-    @property
-    def sampling_batch_size(self) -> int:
-        """--over-sampling-batch-size as resolved: prompts the first generation round draws."""
-        return self.over_sampling_batch_size or self.rollout_batch_size
-
-    def validate(self) -> None:
-        positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
-        non_negative(self, "dynamic_sampling_min_kept_samples")
-        choice(self, "engine", ROLLOUT_ENGINES)
-        choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
-        if self.n_samples_per_prompt == 1:
-            # Refused, not warned: every advantage would be 0 and the run would train nothing (slime's std of one
-            # sample is NaN; verl quietly drops the baseline and trains on the raw reward instead).
-            raise ValueError(f"{flag(self, 'n_samples_per_prompt')}=1 is invalid with "
-                             f"{flag(self, 'advantage_estimator')}={self.advantage_estimator}: its baseline is the "
-                             "mean reward of each prompt's samples, so one sample per prompt gets advantage 0 and "
-                             "nothing is learned; use >= 2")
-        if self.sampling_batch_size < self.rollout_batch_size:
-            raise ValueError(f"{flag(self, 'over_sampling_batch_size')}={self.over_sampling_batch_size} must be >= "
-                             f"{flag(self, 'rollout_batch_size')}={self.rollout_batch_size} (slime's rule)")
-        if self.dynamic_sampling_min_kept_samples > self.n_samples_per_prompt:
-            raise ValueError(f"{flag(self, 'dynamic_sampling_min_kept_samples')}={self.dynamic_sampling_min_kept_samples}"
-                             f" exceeds {flag(self, 'n_samples_per_prompt')}={self.n_samples_per_prompt}: every "
-                             "group would be dropped")
-
-    def check_inputs(self) -> None:
-        """The filters and the rollout function import (a path that does not fails naming its flag)."""
-        load_filters(self.dynamic_sampling_filter_path)
-        load_function(self.rollout_function_path, flag(self, "rollout_function_path"))
-
-
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 

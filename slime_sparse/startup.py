@@ -14,6 +14,7 @@ from sglang_patches.settings import check_sglang_kv_config  # pure settings: no 
 from slime_sparse.config import SECTIONS, RunConfig
 from slime_sparse.flags import flag_for
 from slime_sparse.utils.hf import tokenizer_eos_id
+from slime_sparse.utils.paths import check_writable_dir
 
 
 class StartupError(ValueError):
@@ -49,28 +50,8 @@ def save_dir(cfg: RunConfig) -> str:
 
 def check_outputs(cfg: RunConfig) -> None:
     """The run directory and the checkpoint directory can be written (nothing is created here)."""
-    check_writable_dir(cfg.log.run_dir, flag_for("log", "run_dir"))
-    check_writable_dir(save_dir(cfg), flag_for("train", "save") if cfg.train.save else flag_for("log", "run_dir"))
-
-
-def check_writable_dir(path: str, flag: str) -> None:
-    """`path` is a directory this process can write into, or one it can create: its nearest existing ancestor is
-    a writable directory. StartupError naming `flag` otherwise."""
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise StartupError(f"{flag} {path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = ("is not writable" if existing == os.path.abspath(path)
-                else f"cannot be created ({existing} is not writable)")
-        raise StartupError(f"{flag} {path}: {what}")
-
-
-def check_writable_file(path: str, flag: str) -> None:
-    """`path` names a file this process can write (its directory can be written or created)."""
-    if os.path.isdir(path):
-        raise StartupError(f"{flag} {path}: is a directory, not a file path")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise StartupError(f"{flag} {path}: is not writable")
-    check_writable_dir(os.path.dirname(os.path.abspath(path)), flag)
+    try:
+        check_writable_dir(cfg.log.run_dir, flag_for("log", "run_dir"))
+        check_writable_dir(save_dir(cfg), flag_for("train", "save") if cfg.train.save else flag_for("log", "run_dir"))
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None

@@ -241,3 +241,67 @@ def test_saved_kv_config_loads_back_equal(base_args, tmp_path):
     path = tmp_path / "c.yaml"
     save_config(cfg, str(path))
     assert load_config(["--config", str(path)]).kv == cfg.kv
+
+
+USER_HOOKS = """\
+def rollout(args, rollout_id, data_source, evaluation=False):
+    raise AssertionError("not called")
+
+
+def keep(cfg, samples):
+    return True
+
+
+def grade(response, label, **kwargs):
+    return 0.0
+"""
+
+
+def test_building_a_config_touches_no_file_and_imports_no_user_module(tmp_path, monkeypatch):
+    """Building (flags -> RunConfig, validated) reads no file and imports nothing: the model directory, the data
+    files and the user's functions are read at start-up (load_config, slime_sparse.startup), not by the config."""
+    from slime_sparse.config_loader import parse_config
+
+    (tmp_path / "my_user_hooks.py").write_text(USER_HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["--hf-checkpoint", str(tmp_path / "no_model"), "--prompt-data", str(tmp_path / "no_data.jsonl"),
+            "--eval-prompt-data", "test", str(tmp_path / "no_test.jsonl"), "--load", str(tmp_path / "no_ckpt"),
+            "--rollout-function-path", "my_user_hooks.rollout", "--dynamic-sampling-filter-path", "my_user_hooks.keep",
+            "--custom-rm-path", "my_user_hooks:grade", "--rollout-engine", "sglang", "--kv-method", "rkv",
+            "--kv-granularity", "model", "--ref-load", str(tmp_path / "no_megatron"), "--train-backend", "megatron"]
+    touched, imported = [], []
+
+    class Watch:  # the first finder asked for every import
+        def find_spec(self, name, path=None, target=None):
+            imported.append(name)
+            return None
+
+    import builtins
+    import io
+    import os
+
+    def deny(module, name, only_ours=False):
+        real = getattr(module, name)
+
+        def call(*args, **kwargs):
+            if only_ours and not str(args[0] if args else "").startswith(str(tmp_path)):
+                return real(*args, **kwargs)  # argparse's gettext looks for its locale files
+            touched.append((name, args[:1]))
+            raise AssertionError(f"{name}{args[:1]} while building a config")
+        return call
+
+    with monkeypatch.context() as m:
+        m.setattr("sys.meta_path", [Watch(), *__import__("sys").meta_path])
+        for name in ("stat", "lstat", "access", "listdir", "scandir"):  # nothing the config names is looked at
+            m.setattr(os, name, deny(os, name, only_ours=True))
+        for module in (os, builtins, io):  # and no file is opened
+            m.setattr(module, "open", deny(module, "open"))
+        cfg, arch = parse_config(argv)
+    assert touched == [] and imported == []
+    assert "my_user_hooks" not in __import__("sys").modules
+    assert (cfg.rollout.rollout_function_path, cfg.reward.custom_rm_path) == ("my_user_hooks.rollout",
+                                                                              "my_user_hooks:grade")
+    assert cfg.sampling.stop_token_ids == () and arch == {}  # the model's EOS is filled in at start-up
+    # the same command line, loaded to run: the start-up checks find what the config names
+    with pytest.raises(ValueError, match="--hf-checkpoint="):
+        load_config(argv)

@@ -1,6 +1,7 @@
 """A second invocation never damages a run directory: a failed rerun writes nothing, a rerun of a finished run
 changes nothing, a changed experiment is refused, a corrupt checkpoint is skipped, another model's is one line;
-SIGTERM / Ctrl-C end a run cleanly with the summary saying so."""
+SIGTERM / Ctrl-C end a run cleanly with the summary saying so, saving the last finished rollout; output paths
+that cannot be written are one line before anything is written."""
 import hashlib
 import json
 import os
@@ -14,7 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from slime_sparse.train import main
-from tiny_runs import rollout_rows, run_args
+from slime_sparse.utils.checkpoint import read_trainer_state
+from tiny_runs import comparable, rollout_rows, run_args
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +164,73 @@ def test_experiment_changes_name_experiment_fields_only():
     assert experiment_changes(saved, checkpoint_config(experiment)) == ["--kv-budget 512 -> 64",
                                                                         "--hf-checkpoint unset -> other"]
     assert experiment_changes(None, checkpoint_config(experiment)) == []  # a checkpoint from before configs
+
+
+def test_a_stop_saves_the_last_finished_rollout_and_the_rerun_resumes_it_exactly(assets, tmp_path, capsys):
+    """SIGTERM during rollout 3's generation (from a filter, at a known point): rollout 2 is saved although no
+    checkpoint was due, the messages say so, and the rerun resumes from it to the same metrics as a run that was
+    never stopped, with no metrics line lost."""
+    import tiny_runs
+
+    stop = ("--dynamic-sampling-filter-path", "tiny_runs:signal_at", "--save-interval", "0")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert main(run_args(assets, straight, 3, *stop)) == 0
+    tiny_runs.STOP_AT.update(prompt_index=4, signal=signal.SIGTERM)  # the first group of rollout 3 (2 prompts each)
+    assert main(run_args(assets, stopped, 3, *stop)) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    checkpoint = stopped / "checkpoints" / "rollout_000002"
+    assert "SIGTERM: saving rollout 2, the last finished one" in err
+    assert f"stopped after rollout 2: rerun the command to resume from {checkpoint}" in err
+    assert checkpoint.is_dir() and json.loads((stopped / "summary.json").read_text())["last_rollout"] == 2
+    assert [r["step"] for r in rollout_rows(stopped)] == [1, 2]
+
+    assert main(run_args(assets, stopped, 3, *stop)) == 0
+    assert [r["step"] for r in rollout_rows(stopped)] == [1, 2, 3]  # no line dropped, none repeated
+    assert [comparable(r) for r in rollout_rows(stopped)] == [comparable(r) for r in rollout_rows(straight)]
+
+
+def test_a_stop_during_the_optimizer_steps_finishes_the_rollout_first(assets, tmp_path, capsys, monkeypatch):
+    """A signal while the learner is changing is held until the rollout is trained and logged; then that rollout
+    is saved: a checkpoint never holds half of a rollout's updates."""
+    from slime_sparse.backends.embedded.learner import EmbeddedLearner
+
+    real, calls = EmbeddedLearner.train_step, []
+
+    def train_step(self, batch):
+        calls.append(1)
+        if len(calls) == 3:  # rollout 2's first of its 2 optimizer steps
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch)
+
+    monkeypatch.setattr(EmbeddedLearner, "train_step", train_step)
+    run = tmp_path / "run"
+    assert main(run_args(assets, run, 5, "--save-interval", "0")) == 128 + signal.SIGINT
+    err = capsys.readouterr().err
+    assert "SIGINT: finishing the rollout in training, then saving it and stopping" in err
+    assert len(calls) == 4 and [r["step"] for r in rollout_rows(run)] == [1, 2]
+    assert read_trainer_state(str(run / "checkpoints" / "rollout_000002"))["step"] == 2
+
+
+def test_output_paths_are_checked_before_anything_is_written(assets, tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for flags, flag in ((["--run-dir", str(blocker / "run")], "--run-dir"),
+                        (["--save", str(blocker / "ckpt")], "--save")):
+        run = tmp_path / "run"
+        assert main(run_args(assets, run, 1) + flags) == 2
+        assert one_line_error(capsys).startswith(f"error: {flag} ") and not run.exists()
+    # a directory the process may not write (simulated: the tests run as root, who may write anywhere)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode))
+    assert main(run_args(assets, locked / "run", 1)) == 2
+    assert one_line_error(capsys) == f"error: --run-dir {locked / 'run'}: cannot be created ({locked} is not writable)"
+    assert list(locked.iterdir()) == []
+
+
+def test_the_run_directory_is_named_at_start(assets, tmp_path, capsys):
+    run, save = tmp_path / "run", tmp_path / "elsewhere"
+    assert main(run_args(assets, run, 1, "--save", str(save))) == 0
+    assert f"run directory: {run} (config.yaml, metrics.jsonl, summary.json); checkpoints: {save}" in \
+        capsys.readouterr().err

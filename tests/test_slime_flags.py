@@ -8,6 +8,7 @@ Names and meanings are read against slime's HEAD (2026-08) `slime/utils/argument
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -23,6 +24,7 @@ def paths(tmp_path):
     """Test fixtures standing in for the script's model and data paths (parsing only reads that they exist)."""
     model = tmp_path / "Qwen2.5-0.5B-Instruct"
     model.mkdir()
+    (model / "config.json").write_text(json.dumps(QWEN25_05B))  # what slime's MODEL_ARGS are checked against
     train = tmp_path / "gsm8k_train.jsonl"
     train.write_text('{"messages": [{"role": "user", "content": "1 + 2 ="}], "label": "3"}\n')
     test = tmp_path / "gsm8k_test.jsonl"
@@ -52,17 +54,19 @@ def refused(base: list[str], *flags: str, match: str) -> str:
 # scripts/run-qwen2.5-0.5B-reproducibility.sh at slime HEAD, in its own groups and order, with the model and data
 # paths replaced by fixtures. Dropped, and why:
 DROPPED = {
-    # MODEL_ARGS (scripts/models/qwen2.5-0.5B.sh): Megatron-LM architecture flags; both learners read the
-    # architecture from --hf-checkpoint's config.json
-    "--swiglu": 0, "--num-layers": 1, "--hidden-size": 1, "--ffn-hidden-size": 1, "--num-attention-heads": 1,
-    "--use-rotary-position-embeddings": 0, "--disable-bias-linear": 0, "--add-qkv-bias": 0, "--normalization": 1,
-    "--norm-epsilon": 1, "--rotary-base": 1, "--group-query-attention": 0, "--num-query-groups": 1, "--vocab-size": 1,
     # GPU-only: deterministic CUDA kernels / NCCL, fused-kernel and attention-kernel choices of Megatron-LM
     "--deterministic-mode": 0, "--attention-softmax-in-fp32": 0, "--attention-backend": 1,
     # Megatron-LM model options: our Megatron learner builds with dropout 0 and reduces gradients in fp32 always;
     # the embedded learner takes dropout from config.json
     "--attention-dropout": 1, "--hidden-dropout": 1, "--accumulate-allreduce-grads-in-fp32": 0,
 }
+# MODEL_ARGS (scripts/models/qwen2.5-0.5B.sh), Megatron-LM's architecture flags, are ours since they are checked
+# against --hf-checkpoint's config.json (both learners read the architecture from there): the fixture's, Qwen2.5-0.5B-
+# Instruct's own
+QWEN25_05B = {"model_type": "qwen2", "hidden_act": "silu", "hidden_size": 896, "intermediate_size": 4864,
+              "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+              "rope_theta": 1000000.0, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 32768}
 # Ours, but its value is not: a Megatron-LM torch_dist checkpoint made by slime's converter. Both learners start from
 # --hf-checkpoint here; our --ref-load takes tools/convert_hf_to_megatron.py's output (--train-backend megatron), and
 # refuses slime's (test_ref_load_*).
@@ -154,6 +158,20 @@ def test_the_dropped_flags_are_not_ours(paths):
         assert flag in argv, flag  # every dropped flag is in the script
         with pytest.raises(SystemExit):
             load_config([*kept, flag, *(["1"] * DROPPED[flag])])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-layers", "28"], "--num-layers 28 disagrees with .*config.json \\(num_hidden_layers implies 24\\)"),
+    (["--num-query-groups", "14"], "--num-query-groups 14 disagrees .*num_key_value_heads implies 2"),
+    (["--rotary-base", "10000"], "--rotary-base 10000.0 disagrees .*rope_theta implies 1000000.0"),
+    (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights disagrees .*tie_word_embeddings"),
+    (["--qk-layernorm"], "--qk-layernorm disagrees .*model_type says otherwise"),
+])
+def test_model_args_that_disagree_with_config_json_are_refused(base, flags, message):
+    """slime's architecture flags are accepted where config.json agrees (the example above) and refused, one line
+    naming the flag and config.json's value, where it does not: a Qwen2.5-7B script against the 0.5B model."""
+    refused(base, *QWEN25_GRPO["MODEL_ARGS"], *flags, match=message)
+    parse(base, *QWEN25_GRPO["MODEL_ARGS"], "--kv-channels", "64", "--max-position-embeddings", "32768")
 
 
 # ------------------------------------------------------------------------------------------ one test per flag

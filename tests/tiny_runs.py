@@ -37,3 +37,44 @@ def keep_even_positions(cfg, samples):
 def keep_every_third(cfg, samples):
     """Keep positions 0, 3, 6, ... (a bare bool, slime's older filter form)."""
     return samples[0].prompt_index % 3 == 0
+
+
+def comparable(row: dict) -> dict:
+    """A metrics line without what differs between two runs of the same seed: wall-clock times, and the weight
+    version (a resumed run counts one more sync, at its start)."""
+    return {k: v for k, v in row.items() if not k.startswith("perf/") and not k.endswith("/seconds")
+            and k not in ("time", "rollout/weight_version")}
+
+
+# ---- rollout functions with slime's signature, for --rollout-function-path
+
+def first_group_only(args, rollout_id, data_source, evaluation=False):
+    """The default rollout cut to its first group, with a metric of its own."""
+    from slime_sparse.rollout.base_types import RolloutFnTrainOutput
+    from slime_sparse.rollout_fn import generate_rollout
+
+    out = generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
+    return RolloutFnTrainOutput(samples=out.samples[:1], metrics={"custom/rollout_id": float(rollout_id)})
+
+
+def groups_only(args, rollout_id, data_source, evaluation=False):
+    """slime's older form: the bare list of groups (no metrics, no pi_old: the loop computes what it needs)."""
+    from slime_sparse.rollout_fn import generate_rollout
+
+    return generate_rollout(args, rollout_id, data_source, evaluation=evaluation).samples
+
+
+# ---- a stop at a known point: a filter that signals its own process at one stream position
+
+STOP_AT: dict = {"prompt_index": None, "signal": None}
+
+
+def signal_at(cfg, samples):
+    """Keep every group; send STOP_AT["signal"] to this process when the group of STOP_AT["prompt_index"] is
+    judged (during that rollout's generation), once."""
+    import os
+
+    if samples[0].prompt_index == STOP_AT["prompt_index"]:
+        STOP_AT["prompt_index"] = None
+        os.kill(os.getpid(), STOP_AT["signal"])
+    return True

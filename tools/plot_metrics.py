@@ -20,6 +20,7 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     from slime_sparse.utils.plots import DEFAULT_PLOT_KEYS, available_keys, plot_metrics
 
 from slime_sparse.utils.logging import METRICS_FILE, read_metrics
+from slime_sparse.utils.paths import check_writable_dir
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no {METRICS_FILE} in {args.run_dir!r}", file=sys.stderr)
         return 2
     try:
+        check_writable_dir(args.out_dir or os.path.join(args.run_dir, "plots"), "--out-dir")  # before plotting
         result = plot_metrics(args.run_dir, keys=args.keys, out_dir=args.out_dir, smooth=args.smooth)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)

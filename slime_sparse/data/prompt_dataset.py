@@ -1,9 +1,8 @@
-"""Prompt data for rollouts: a local jsonl/parquet file -> tokenized prompts -> a resumable batch stream.
+"""Prompt data for rollouts: a local jsonl/parquet file (files.py) -> tokenized prompts -> a resumable batch
+stream (stream.py).
 
 The knobs mirror slime's flags (--prompt-data, --input-key, --label-key, --apply-chat-template,
---rollout-max-prompt-len, --rollout-shuffle, --rollout-seed, --num-epoch) and the stream follows slime's data
-source: prompts are consumed in a per-epoch order, and a batch that reaches the end of an epoch is completed
-with the first prompts of the next epoch (carry-over), so no prompt is dropped at epoch boundaries.
+--rollout-max-prompt-len, --rollout-shuffle, --rollout-seed, --num-epoch).
 
 Row numbers in error messages are 0-based indices of data rows (blank jsonl lines are not rows), with the
 1-based line of a jsonl file. Rows that are malformed one by one (a line that is not a JSON object,
@@ -14,21 +13,17 @@ we turn off `datasets`' fallback for such files because it silently re-types val
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
+from .files import BUILDERS, line_of_row, load_table
+from .stream import PromptRecord, PromptStream, is_int, record_of
+
+__all__ = ["DataConfig", "Prompt", "PromptDataset", "PromptRecord", "PromptStream"]
 
 logger = logging.getLogger(__name__)
-
-# File suffix -> HF `datasets` packaged builder. Only local files are read: never a hub id.
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
-
-_STATE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -62,10 +57,10 @@ class DataConfig:
         if not isinstance(self.prompt_data, str):
             raise ValueError(f"--prompt-data must be a path to a local file, got {self.prompt_data!r}")
         suffix = os.path.splitext(self.prompt_data)[1].lower()
-        if self.prompt_data and suffix not in _BUILDERS:
+        if self.prompt_data and suffix not in BUILDERS:
             raise ValueError(
                 f"--prompt-data {self.prompt_data!r}: unsupported file type {suffix!r}, "
-                f"expected one of {sorted(_BUILDERS)}"
+                f"expected one of {sorted(BUILDERS)}"
             )
         if not isinstance(self.input_key, str) or not self.input_key:
             raise ValueError(f"--input-key must be a non-empty string, got {self.input_key!r}")
@@ -75,13 +70,13 @@ class DataConfig:
             raise ValueError(f"--metadata-key must be a non-empty string or None, got {self.metadata_key!r}")
         if not isinstance(self.apply_chat_template, bool):
             raise ValueError(f"--apply-chat-template must be a bool, got {self.apply_chat_template!r}")
-        if self.max_prompt_len is not None and (not _is_int(self.max_prompt_len) or self.max_prompt_len < 1):
+        if self.max_prompt_len is not None and (not is_int(self.max_prompt_len) or self.max_prompt_len < 1):
             raise ValueError(f"--rollout-max-prompt-len must be a positive int or None, got {self.max_prompt_len!r}")
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"--rollout-shuffle must be a bool, got {self.shuffle!r}")
-        if not _is_int(self.seed) or self.seed < 0:
+        if not is_int(self.seed) or self.seed < 0:
             raise ValueError(f"--rollout-seed must be a non-negative int, got {self.seed!r}")
-        if not _is_int(self.num_epochs) or self.num_epochs < 1:
+        if not is_int(self.num_epochs) or self.num_epochs < 1:
             raise ValueError(f"--num-epoch must be an int >= 1, got {self.num_epochs!r}")
 
     def check_inputs(self) -> None:
@@ -101,19 +96,6 @@ class Prompt:
     prompt_text: str  # the exact text that was tokenized (after the chat template, if applied)
     label: Any
     metadata: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class PromptRecord:
-    """A prompt as the stream hands it out."""
-
-    index: int  # global stream position: epoch * len(dataset) + position in that epoch; unique across epochs
-    prompt_ids: list[int]
-    prompt_text: str
-    label: Any
-    metadata: dict
-    epoch: int
-    row: int  # 0-based data row in the source file
 
 
 class _BadRow(Exception):
@@ -144,7 +126,7 @@ class PromptDataset:
         self.num_skipped_bad = 0
         self.prompts: list[Prompt] = []
 
-        table, row_ids, unreadable = _load_table(cfg.prompt_data, skip_unreadable=cfg.skip_bad_rows)
+        table, row_ids, unreadable = load_table(cfg.prompt_data, skip_unreadable=cfg.skip_bad_rows)
         _check_columns(table.column_names, cfg)
         self.num_rows = len(table) + len(unreadable)
         for row_idx, reason in unreadable:  # lines that are not JSON objects (only with skip_bad_rows)
@@ -178,7 +160,7 @@ class PromptDataset:
 
     def _where(self, row_idx: int) -> str:
         path = self.cfg.prompt_data
-        return f"--prompt-data {path}: row {row_idx} (0-based){_line_of_row(path, row_idx)}"
+        return f"--prompt-data {path}: row {row_idx} (0-based){line_of_row(path, row_idx)}"
 
     def _skip_bad_row(self, row_idx: int, reason: str) -> None:
         if self.num_skipped_bad < 5:  # a few examples are enough to diagnose a bad file
@@ -187,7 +169,7 @@ class PromptDataset:
 
     def records(self) -> list[PromptRecord]:
         """Every prompt once, in file order (index = position in the dataset): for evaluation."""
-        return [_record(p, index=i, epoch=0) for i, p in enumerate(self.prompts)]
+        return [record_of(p, index=i, epoch=0) for i, p in enumerate(self.prompts)]
 
     def stats(self) -> dict[str, int]:
         """Counters for the metrics log."""
@@ -253,260 +235,6 @@ class PromptDataset:
             logger.warning(msg, *args)
         else:
             logger.info(msg, *args)
-
-
-class PromptStream:
-    """Batches of `batch_size` (--rollout-batch-size) prompts, epoch after epoch, resumable per prompt.
-
-    Epoch e visits every prompt once, in the order of a permutation drawn from an RNG seeded by
-    (cfg.seed, e) (dataset order when cfg.shuffle is False). Batches carry over epoch boundaries: a batch
-    that reaches the end of epoch e is completed with the first prompts of epoch e + 1.
-
-    `num_batches = num_epochs * len(dataset) // batch_size` is the rollout count that --num-epoch stands
-    for (slime's default --num-rollout); iterating the stream yields exactly the batches left of it, so
-    the last `num_epochs * len(dataset) % batch_size` prompts (less than a batch) are not handed out.
-    `next_batch()` itself never runs dry: past the --num-epoch budget it keeps going with fresh epochs,
-    as slime does when --num-rollout asks for more rollouts than the epochs hold.
-
-    The position is one counter, `consumed` (prompts handed out so far); `state_dict()` stores it with the
-    settings that fix the order, and `load_state_dict()` refuses a state whose order would differ, so a
-    resumed run continues with no prompt repeated or lost.
-    """
-
-    def __init__(self, dataset: PromptDataset, batch_size: int) -> None:
-        if not _is_int(batch_size) or batch_size < 1:
-            raise ValueError(f"--rollout-batch-size must be an int >= 1, got {batch_size!r}")
-        self.dataset = dataset
-        self.batch_size = batch_size
-        self.shuffle = dataset.cfg.shuffle
-        self.seed = dataset.cfg.seed
-        self.num_epochs = dataset.cfg.num_epochs
-        self.consumed = 0
-        self._order_epoch = -1
-        self._order: np.ndarray = np.arange(0)
-
-    @property
-    def num_batches(self) -> int:
-        """Full batches in --num-epoch epochs."""
-        return self.num_epochs * len(self.dataset) // self.batch_size
-
-    @property
-    def batches_left(self) -> int:
-        """Full batches left of the --num-epoch budget."""
-        return max(0, self.num_epochs * len(self.dataset) - self.consumed) // self.batch_size
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the next prompt to be handed out."""
-        return self.consumed // len(self.dataset)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Dataset positions in the order epoch `epoch` visits them."""
-        n = len(self.dataset)
-        if not self.shuffle:
-            return np.arange(n)
-        # Seeding with the pair (seed, epoch) gives independent streams: (1, 1) and (2, 0) never collide.
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
-
-    def next_batch(self, size: int | None = None) -> list[PromptRecord]:
-        """The next `size` prompts (default `batch_size`; possibly spanning an epoch boundary)."""
-        size = self.batch_size if size is None else size
-        n = len(self.dataset)
-        batch = []
-        for index in range(self.consumed, self.consumed + size):
-            epoch, pos = divmod(index, n)
-            if epoch != self._order_epoch:
-                if epoch == self.num_epochs and pos == 0:
-                    logger.info("prompt stream: --num-epoch=%d done, starting epoch %d", self.num_epochs, epoch)
-                self._order, self._order_epoch = self.epoch_order(epoch), epoch
-            p = self.dataset[int(self._order[pos])]
-            batch.append(_record(p, index=index, epoch=epoch))
-        self.consumed += size
-        return batch
-
-    def put_back(self, count: int) -> None:
-        """Return the last `count` prompts handed out: the next batch starts with them, same order and indices
-        (dynamic sampling gives back the groups a rollout generated but did not need)."""
-        if not _is_int(count) or not 0 <= count <= self.consumed:
-            raise ValueError(f"cannot put back {count!r} prompts: {self.consumed} were handed out")
-        self.consumed -= count
-
-    def __iter__(self) -> Iterator[list[PromptRecord]]:
-        """The batches left of the --num-epoch budget."""
-        for _ in range(self.batches_left):
-            yield self.next_batch()
-
-    def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable position of the stream."""
-        return {
-            "version": _STATE_VERSION,
-            "consumed": self.consumed,
-            "num_prompts": len(self.dataset),
-            "shuffle": self.shuffle,
-            "seed": self.seed,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from `state`. The batch size and epoch count may change; the prompt order may not."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError(f"data state version {state.get('version')!r} is not {_STATE_VERSION}")
-        expected = {"num_prompts": len(self.dataset), "shuffle": self.shuffle, "seed": self.seed}
-        changed = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if changed:
-            details = ", ".join(f"{k}: checkpoint {old!r} vs now {new!r}" for k, (old, new) in changed.items())
-            raise ValueError(
-                "cannot resume the prompt stream: the prompt order would differ "
-                f"({details}); keep --prompt-data, --rollout-max-prompt-len, --rollout-shuffle and --rollout-seed"
-            )
-        consumed = state.get("consumed")
-        if not _is_int(consumed) or consumed < 0:
-            raise ValueError(f"data state 'consumed' must be a non-negative int, got {consumed!r}")
-        self.consumed = consumed
-
-
-def _record(p: Prompt, *, index: int, epoch: int) -> PromptRecord:
-    # Copies: a caller editing a record's ids or metadata must not change the dataset for later epochs.
-    return PromptRecord(
-        index=index,
-        prompt_ids=list(p.prompt_ids),
-        prompt_text=p.prompt_text,
-        label=p.label,
-        metadata=dict(p.metadata),
-        epoch=epoch,
-        row=p.row,
-    )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _load_table(path: str, *, skip_unreadable: bool = False):
-    """(table, row ids, unreadable rows) of a local file, read with HF `datasets`' packaged json/parquet builder
-    (no hub access). Row ids is None when table row i is file row i; with skip_unreadable a jsonl file whose
-    lines are not all JSON objects is read without them: row ids then map table rows to file rows, and the
-    skipped ones come back as (row, reason)."""
-    import datasets
-
-    builder = _BUILDERS[os.path.splitext(path)[1].lower()]
-    kwargs: dict[str, Any] = {}
-    if builder == "json" and _json_builder_has("on_mixed_types"):
-        # The default, "use_json", stores a column that mixes JSON types as JSON text and json-decodes every
-        # value on read: the string "8" comes back as the int 8, the prompt "null" as None. Keep types exact
-        # and let such a file fail instead (_locate_json_problem then names the row).
-        kwargs["on_mixed_types"] = None
-    try:
-        return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", **kwargs), None, []
-    except Exception as err:  # datasets wraps parse errors in its own types; name the flag, file and row
-        if builder == "json" and skip_unreadable:
-            rows, unreadable = _read_jsonl_objects(path)
-            if unreadable and rows:
-                keep = [i for i, _ in rows]
-                # the readable rows go through the same builder (and the same one-type-per-column check)
-                with tempfile.TemporaryDirectory() as tmp:
-                    clean = os.path.join(tmp, "rows.jsonl")
-                    with open(clean, "w", encoding="utf-8") as fh:
-                        fh.writelines(json.dumps(r) + "\n" for _, r in rows)
-                    try:
-                        table = datasets.load_dataset(builder, data_files=clean, split="train", **kwargs)
-                    except Exception:
-                        detail = _locate_json_problem(path, skip=set(i for i, _ in unreadable))
-                        raise ValueError(f"--prompt-data {path}: {detail or err}") from err
-                    return table, keep, unreadable
-        detail = _locate_json_problem(path) if builder == "json" else None
-        raise ValueError(f"--prompt-data {path}: {detail or f'cannot be read as {builder}: {err}'}") from err
-
-
-def _read_jsonl_objects(path: str) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
-    """(row, object) of each line of a JSON Lines file that holds a JSON object, and (row, why) of the others."""
-    rows, unreadable = [], []
-    with open(path, encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            row = len(rows) + len(unreadable)
-            try:
-                value = json.loads(line)
-            except ValueError as err:
-                unreadable.append((row, f"not valid JSON ({err})"))
-                continue
-            if isinstance(value, dict):
-                rows.append((row, value))
-            else:
-                unreadable.append((row, "not a JSON object"))
-    return rows, unreadable
-
-
-def _line_of_row(path: str, row: int) -> str:
-    """", line N" (1-based) of data row `row` of a JSON Lines file (blank lines are not rows); "" for other files."""
-    if os.path.splitext(path)[1].lower() != ".jsonl":
-        return ""
-    with open(path, encoding="utf-8") as fh:
-        seen = -1
-        for lineno, line in enumerate(fh, start=1):
-            if line.strip():
-                seen += 1
-                if seen == row:
-                    return f", line {lineno}"
-    return ""
-
-
-def _json_builder_has(option: str) -> bool:
-    try:
-        from datasets.packaged_modules.json.json import JsonConfig
-    except ImportError:
-        return False
-    return option in getattr(JsonConfig, "__dataclass_fields__", {})
-
-
-def _locate_json_problem(path: str, skip: set[int] = frozenset()) -> str | None:
-    """Why a json/jsonl file failed to load: its first invalid line, or the first row where a key holds a
-    different JSON type than in earlier rows (Arrow needs one type per column, so such a row cannot be
-    skipped either). None when neither applies. `skip`: jsonl rows to leave out (already reported)."""
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
-    try:
-        whole = json.loads(text)  # a .json file holding one array of rows
-    except ValueError:
-        whole = None
-    if isinstance(whole, list):
-        rows = [(i, "", r) for i, r in enumerate(whole)]
-    else:  # JSON Lines; blank lines are not rows
-        rows, row = [], -1
-        for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            row += 1
-            if row in skip:
-                continue
-            try:
-                rows.append((row, f", line {lineno}", json.loads(line)))
-            except ValueError as err:
-                return f"row {row} (0-based), line {lineno}: not valid JSON ({err})"
-
-    first_kind: dict[str, tuple[str, int]] = {}
-    for row_idx, where, row in rows:
-        if not isinstance(row, dict):
-            return f"row {row_idx} (0-based){where}: not a JSON object"
-        for key, value in row.items():
-            if value is None:
-                continue
-            kind = _json_kind(value)
-            seen_kind, seen_row = first_kind.setdefault(key, (kind, row_idx))
-            if kind != seen_kind:
-                return (
-                    f"row {row_idx} (0-based){where}: {key!r} holds a {kind} but row {seen_row} holds a {seen_kind}; "
-                    "a column must hold one JSON type (this row cannot be skipped, fix it)"
-                )
-    return None
-
-
-def _json_kind(value: Any) -> str:
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, (int, float)):
-        return "number"  # Arrow widens int to float within a column
-    return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
 
 
 def _check_columns(columns: list[str], cfg: DataConfig) -> None:
