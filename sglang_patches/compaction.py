@@ -78,12 +78,11 @@ def gather_keys(k_buffers: list[Tensor], slots: Tensor) -> list[Tensor]:
 # Selection and compaction
 # --------------------------------------------------------------------------------------------------------------
 def select_kept_slots(cfg: KVCompressConfig, keys: list[Tensor], queries: list[Tensor]) -> Tensor:
-    """Sorted cache positions (0..n-1) to keep: ONE set for the whole model (cfg.granularity must be "model").
+    """Sorted cache positions (0..n-1) to keep: ONE set for the whole model (the plugin's config is held to
+    granularity "model" by settings.check_sglang_kv_config, the one place of that rule).
 
     Scores come from slime_sparse.kv.compress_indices, the code the embedded engine runs.
     """
-    if cfg.granularity != "model":
-        raise ValueError(f"--kv-granularity={cfg.granularity!r}: SGLang compaction needs 'model' (one set per request)")
     per_layer = compress_indices(cfg, keys, queries)
     return per_layer[0][0]
 

@@ -34,8 +34,9 @@ REQUIRED_GRANULARITY = "model"
 
 
 def check_sglang_kv_config(cfg: KVCompressConfig) -> None:
-    """Raise ValueError (naming the flag) unless cfg is valid and expressible by req_to_token compaction. Called at
-    config load (RunConfig.validate) and again by encode_config, before a server is started."""
+    """Raise ValueError (naming the flag) unless cfg is valid and expressible by req_to_token compaction: the one
+    place of SGLang's rules. Called at start-up (slime_sparse.startup), by the SGLang engine, and by
+    encode_config / decode_config, before a server starts and in every server process."""
     cfg.validate(prefix="--kv-")
     if cfg.enabled and cfg.granularity != REQUIRED_GRANULARITY:
         raise ValueError(

@@ -1,5 +1,6 @@
 """The pieces of a run, built from its config: tokenizer, data stream, evaluation set, rollout function, reward,
-learner, engine. The user's modules (reward, rollout function, filters) are imported here, by the builders.
+learner, engine. The user's modules (reward, rollout function) are imported here, by the builders (the
+dynamic-sampling filters by the rollout function that applies them).
 
 The loop in `train.py` only calls the `Components` methods. Where the learner and the engine live is decided once,
 in `build_backends`: in this process (`factory.py`) or as Ray actors (`ray/build.py`, --use-ray); either way they
@@ -34,7 +35,7 @@ class Components:
     reward_fn: Callable
     learner: Any
     engine: Any
-    rollout_fn: Callable  # --rollout-function-path (slime's signature: rollout/base_types.py)
+    rollout_fn: Callable | None = None  # --rollout-function-path (slime's signature: rollout/base_types.py)
     eval_sets: dict = field(default_factory=dict)  # {name: records} of each --eval-prompt-data set
     placement: Any = None  # what holds the learner and engine besides themselves (Ray: actors' placement group)
     _eval_engines: dict = field(default_factory=dict)

@@ -1,8 +1,9 @@
 """The command-line name of every run-config field: `--<section prefix><field>`, or slime's spelling where slime
 has one (`--rollout-batch-size`, `--n-samples-per-prompt`, ...).
 
-The parser (slime_sparse.config) is built from these names, and section validators name the offending flag with
-`flag_for`, so an error always shows the flag a user types. No project imports: any section's module may use it.
+The parser (slime_sparse.config_loader) is built from these names, and section validators name the offending flag
+with `flag_for` (or the checks at the end: `positive`, `non_negative`, `choice`), so an error always shows the flag
+a user types. No project imports: any section's module may use it.
 
 Two conventions from slime: a bool field whose flag starts with `--disable-` is a switch that turns it off
 (slime's `action="store_false"`); and `SPELLINGS` lists slime flags that have no field of their own but set

@@ -156,8 +156,7 @@ def sparsity_correction(
         rollout_is_mean / _std / _eff_sample_size); batch_norm_factor: the mean the weights were divided by (1.0
         when not applied); weight_mean: mean final weight over kept tokens.
     """
-    rules = cfg.rules  # validates rs / rs_threshold
-    cfg.validate()
+    rules = cfg.rules  # parsed once per config (a CorrectionConfig is validated when it is built)
     old, sparse, orig = mismatch_inputs(logp_old, logp_sparse, mask)
     dtype = old.dtype
     zero = torch.zeros((), dtype=dtype, device=old.device)

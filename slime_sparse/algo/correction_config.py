@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, ClassVar, Mapping
 
 from slime_sparse.kv.presets import FromPreset, Preset
@@ -120,8 +121,8 @@ def parse_rejection_rules(options: tuple[str, ...], thresholds: tuple[str, ...],
 @dataclass(frozen=True)
 class CorrectionConfig(FromPreset):
     """Knobs of the sparsity correction; command-line flags are `--correction-<field-with-dashes>` (each field's
-    help says what it does and names the peer's spelling). `preset`: the preset the knobs started from
-    (`from_preset`); when built directly, the preset they equal, or "custom"."""
+    help says what it does and names the peer's spelling), validated when built. `preset`: the preset the knobs
+    started from (`from_preset`); when built directly, the preset they equal, or "custom"."""
 
     is_weight: bool = field(default=False, metadata={"help": (
         "multiply each token's policy-gradient term by its importance weight (the --correction-is-level ratio "
@@ -190,7 +191,11 @@ class CorrectionConfig(FromPreset):
                 values[name] = tuple(str(v) for v in values[name])
         return super().from_dict(values)
 
-    @property
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.validate()  # once, when built: the correction runs every rollout and checks nothing
+
+    @cached_property
     def rules(self) -> tuple[RejectionRule, ...]:
         """The `rs` options as parsed rules (validated)."""
         return parse_rejection_rules(self.rs, self.rs_threshold, self.flag)

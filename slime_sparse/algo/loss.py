@@ -240,8 +240,9 @@ def policy_loss(
         logp_old - logp), "kl_loss", "entropy_loss", "smd_kl" (the distillation KL, 0 unless smd),
         "loss/all_rejected" (1.0 if the mask is empty, in which case the loss is a graph-connected 0
         with zero gradient).
+
+    `cfg` is validated once, when the run config is built: this runs per micro-batch and checks only its tensors.
     """
-    cfg.validate()
     if logp.dim() != 2 or not (logp.shape == logp_old.shape == mask.shape):
         raise ValueError(
             f"logp, logp_old and mask must share one [B, T] shape, got {tuple(logp.shape)}, "

@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 
+from sglang_patches.settings import check_sglang_kv_config  # pure settings: no SGLang import
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.utils.weight_sync import FlatPlan, flat_plan, new_group, open_store, require_newer, send_weights
 from slime_sparse.rollout.base import KVView
@@ -151,12 +152,7 @@ class SGLangRolloutEngine:
                  generate_urls: list[str] | None = None, max_concurrency: int = 256, timeout_s: float = 3600.0,
                  servers: ServerGroup | None = None):
         if kv is not None:
-            kv.validate(prefix="--kv-")
-            if kv.enabled and kv.granularity != "model":
-                raise ValueError(
-                    f"--kv-granularity={kv.granularity!r} is not supported by the SGLang engine: one req_to_token "
-                    "row per request is shared by every layer and head, so use --kv-granularity model"
-                )
+            check_sglang_kv_config(kv)
         if not server_urls:
             raise ValueError("SGLangRolloutEngine needs at least one server URL")
         self.kv = kv

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 def check_ray_layout(spec, *, num_engines: int, servers_per_engine: int, colocate: bool, use_gpu: bool) -> None:
     """Raise ValueError (naming the flags) unless the engines' `sglang` section (of a factory.EngineSpec) fits the
-    Ray layout. (The KV settings were checked for SGLang at config load: RunConfig.validate.)"""
+    Ray layout. (The KV settings were checked for SGLang at start-up: slime_sparse.startup.)"""
     sg: SGLangEngineConfig = spec.sglang
     sg.validate()
     n = servers_per_engine
