@@ -17,6 +17,7 @@ from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_le
 from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.reward import get_reward_fn
+from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.utils.logging import progress_bar
 
 EVAL_KV = {"dense": KVCompressConfig(method="none")}  # evaluation modes besides "sparse" (eval.sparse_eval_kv)
@@ -83,6 +84,12 @@ def build_backends(cfg: RunConfig) -> tuple[Any, Any, Any]:
     return build_learner(LearnerSpec.from_run(cfg)), build_engine(EngineSpec.from_run(cfg)), None
 
 
+def colocated(engine: Any, cfg: RunConfig) -> Any:
+    """The engine as the loop sees it: holding its KV cache and graphs only while it generates under
+    --offload-rollout (on by default where it shares devices with the learner)."""
+    return OffloadingEngine(engine) if cfg.cluster.offloads_rollout else engine
+
+
 def build_components(cfg: RunConfig) -> Components:
     tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
@@ -101,7 +108,7 @@ def build_components(cfg: RunConfig) -> Components:
         getattr(reward_fn, "close", lambda: None)()
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
-                            engine=engine, eval_sets=eval_sets, placement=placement)
+                            engine=colocated(engine, cfg), eval_sets=eval_sets, placement=placement)
     try:
         components.sync_weights()
     except BaseException:

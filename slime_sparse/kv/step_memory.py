@@ -141,8 +141,8 @@ def plan_step(shape: ModelShape, step: StepSpec) -> dict[str, dict[str, int]]:
 
     Held throughout: both copies of the weights (the engine's and the learner's, plus a frozen reference), the
     optimizer state (embedded: torch AdamW's two moments in the weights' dtype; Megatron: fp32 master weights and
-    moments, and its fp32 gradient buffer). The embedded learner frees its gradients after each optimizer step, so
-    they count in the train phase only. The engine's KV cache counts in the rollout phase, and in every other one
+    moments) and the gradients (embedded: in the weights' dtype, kept from one step to the next; Megatron: its fp32
+    buffer). The engine's KV cache counts in the rollout phase, and in every other one
     unless the engine gives it back (`offload_rollout`). Rollout adds the engine's working set: a prefill of every
     row's prompt (the MLP's three intermediate tensors and four hidden-sized ones per token) and fp32 logits per
     row; the weight update adds, for Megatron, the exported copy it hands to the engine at once (the embedded
@@ -150,9 +150,7 @@ def plan_step(shape: ModelShape, step: StepSpec) -> dict[str, dict[str, int]]:
     b, p = step.dtype_bytes, shape.num_parameters()
     embedded = step.learner == "embedded"
     held = {"engine weights": p * b, "learner weights": p * b * (2 if step.with_ref else 1),
-            "optimizer": p * (2 * b if embedded else 12)}
-    if not embedded:
-        held["gradients (fp32 buffer)"] = p * FP32
+            "optimizer": p * (2 * b if embedded else 12), "gradients": p * (b if embedded else FP32)}
     kv = step.engine_rows * (step.kv_slots * shape.kv_bytes_per_token(b) + shape.query_ring_bytes(step.kv_window, b))
     idle_kv = {} if step.offload_rollout else {"KV cache (kept)": kv}
     rows = min(step.engine_rows, step.seqs)
@@ -167,9 +165,9 @@ def plan_step(shape: ModelShape, step: StepSpec) -> dict[str, dict[str, int]]:
     train_mb = mb if embedded else MicroBatch(mb.tokens, mb.tokens, mb.seq_len)
     activations = train_activation_bytes(shape, train_mb, dtype_bytes=b, recompute=step.recompute,
                                          unfused_attention=unfused, entropy=step.entropy)
+    if embedded:  # torch AdamW's foreach step makes sqrt(v) for every parameter at once, after the activations
+        activations = max(activations, p * b)
     train = {"micro-batch activations": activations}
-    if embedded:
-        train = {"gradients": p * b, "micro-batch activations": max(activations, p * b)}  # or AdamW's sqrt(v)
     return {
         "rollout": {**held, "KV cache": kv, "engine working set": engine_work},
         "recompute": {**held, **idle_kv, "micro-batch activations": recompute},
