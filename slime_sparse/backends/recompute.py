@@ -16,18 +16,16 @@ import torch
 @dataclass(frozen=True)
 class Recompute:
     granularity: str  # full | selective
-    method: str | None = None  # uniform | block (full only)
-    num_layers: int | None = None
+    method: str = "uniform"  # uniform | block (full only)
+    num_layers: int = 1  # layers per chunk (uniform) or recomputed layers (block)
 
     @classmethod
     def from_flags(cls, granularity: str | None, method: str | None, num_layers: int | None) -> "Recompute | None":
-        """The settings as the flags give them (validated by the train config), full defaulting to uniform over 1
-        layer; None without --recompute-granularity."""
+        """The settings as the flags give them (validated by the train config); None without
+        --recompute-granularity."""
         if granularity is None:
             return None
-        if granularity == "selective":
-            return cls("selective")
-        return cls("full", method or "uniform", num_layers or 1)
+        return cls(granularity, method or "uniform", num_layers or 1)
 
     def megatron_kwargs(self) -> dict:
         """TransformerConfig's fields for these settings."""

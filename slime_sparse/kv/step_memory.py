@@ -12,7 +12,8 @@ below and checked against torch's own memory tracker on CPU (tests/test_step_mem
 - with activation recompute (`--recompute-granularity full`: torch's checkpoint per layer, Megatron's
   uniform recompute of one layer per chunk) a layer keeps only its input; backward recomputes one layer at a time;
 - the LM head on the R response positions of a micro-batch: the fp32 tempered log-softmax [R, V] is kept for
-  backward, whose peak holds three such tensors (the kept output, its incoming gradient and the outgoing one);
+  backward, whose peak holds three such tensors (the kept output, its incoming gradient and the outgoing one) and
+  the head weight's gradient while it is added to the accumulated one;
   the no-grad recompute peaks at two (the fp32 logits and their tempered copy, then the log-softmax).
 Megatron's learner keeps the same per-layer tensors plus, on its local layer spec (no Transformer Engine), the
 unfused attention's probabilities (heads x sequence bytes per token and layer) unless
@@ -84,7 +85,10 @@ def train_activation_bytes(shape: ModelShape, mb: MicroBatch, *, dtype_bytes: in
     per_layer = layer_saved_bytes(shape, dtype_bytes, padded=mb.padded, seq_len=mb.seq_len,
                                   unfused_attention=unfused_attention and recompute is None)
     final = (FP32 + 2 * dtype_bytes) * h * mb.tokens + dtype_bytes * h * mb.response_tokens  # final norm, picked rows
-    head = head_bytes(shape, training=True, entropy=entropy) * mb.response_tokens
+    # the head weight's gradient as it is accumulated into .grad: up to three [V, H] tensors at once (measured with a
+    # tied embedding: the new gradient, the embedding's share, their sum)
+    head = head_bytes(shape, training=True, entropy=entropy) * mb.response_tokens \
+        + 3 * dtype_bytes * shape.vocab_size * h
     if recompute == "full":
         kept = layers * dtype_bytes * h * mb.tokens  # each layer's input
         return kept + final + max(head, per_layer * mb.tokens)
