@@ -30,11 +30,7 @@ import json
 import statistics
 import sys
 import tempfile
-import time
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
 
 import torch
 
@@ -42,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/rl_step_bench.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from slime_sparse import pipeline  # noqa: E402
 from slime_sparse.components import build_components  # noqa: E402
 from slime_sparse.config import TrainConfig  # noqa: E402
 from slime_sparse.config_loader import load_config  # noqa: E402
@@ -55,6 +50,8 @@ from slime_sparse.tasks.tokenizer import build_char_tokenizer, save_tokenizer  #
 from slime_sparse.train import run_rollout  # noqa: E402
 from slime_sparse.utils.seed import set_seed  # noqa: E402
 
+from benchmarks.phase_clock import CLOCKS, PhaseClock, timed_components  # noqa: E402
+
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True,
         "max_position_embeddings": 1024}
@@ -64,8 +61,6 @@ SIZES = {"tiny": (2, 4, 16, 64, 16, 8, 4)}
 DEFAULT_SIZES = (32, 8, 128, 2048, 512, 128, 8)
 PHASES = ("rollout", "reward", "recompute", "learner step", "weight update", "correction")
 PLANNED = {"rollout": "rollout", "recompute": "recompute", "learner step": "train", "weight update": "weight update"}
-CORRECTION_FNS = ("sparsity_correction", "grpo_advantages", "kv_metrics", "mismatch_metrics", "mismatch_split_metrics",
-                  "shadow_metrics")  # what the pipeline calls for the correction, advantages and their metrics
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0}  # dense bf16, SXM
 
 
@@ -90,6 +85,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     p.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="cpu = this process's CPU time: steadier on a shared CPU machine (with --threads 1)")
     p.add_argument("--cache-dir", default=str(REPO / ".cache" / "rl_step_bench"), help="where the model is written")
     p.add_argument("--out", default=None, help="also write one JSON line per step here")
     p.add_argument("--seed", type=int, default=0)
@@ -179,79 +176,6 @@ def trainer_flags(args, mode: str, model: Path, prompts: Path, run_dir: Path, ro
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Timing the components
-# ---------------------------------------------------------------------------------------------------------------
-class PhaseClock:
-    """Seconds and peak device memory per phase, accumulated over the calls of one step."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = torch.device(device).type == "cuda"
-        self.seconds: Counter = Counter()
-        self.peak: dict[str, int] = {}
-        self._inside: str | None = None
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def wrap(self, phase: str, fn: Callable) -> Callable:
-        def timed(*args, **kwargs):
-            if self._inside is not None:  # a phase inside another would be counted twice
-                raise RuntimeError(f"phase {phase!r} called inside phase {self._inside!r}")
-            self._inside = phase
-            self.sync()
-            if self.cuda:
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.seconds[phase] += time.perf_counter() - t0
-                if self.cuda:
-                    self.peak[phase] = max(self.peak.get(phase, 0), torch.cuda.max_memory_allocated())
-                self._inside = None
-        return timed
-
-    def reset(self) -> None:
-        self.seconds, self.peak = Counter(), {}
-
-
-class _Proxy:
-    """`target` with some methods replaced (the timed ones); every other attribute is the target's."""
-
-    def __init__(self, target: Any, **methods: Callable) -> None:
-        self._target = target
-        self.__dict__.update(methods)
-
-    def __getattr__(self, name: str):
-        return getattr(self._target, name)
-
-
-@contextmanager
-def timed_components(components, clock: PhaseClock) -> Iterator[None]:
-    """The components' phase calls and the pipeline's correction functions timed by `clock`; restored after."""
-    saved = {name: getattr(components, name) for name in ("engine", "learner", "reward_fn", "tokenizer")}
-    fns = {name: getattr(pipeline, name) for name in CORRECTION_FNS}
-    engine, learner, tokenizer = saved["engine"], saved["learner"], saved["tokenizer"]
-    components.engine = _Proxy(engine, generate=clock.wrap("rollout", engine.generate),
-                               sync_from=clock.wrap("weight update", engine.sync_from))
-    components.learner = _Proxy(learner, compute_logprobs=clock.wrap("recompute", learner.compute_logprobs),
-                                train_step=clock.wrap("learner step", learner.train_step))
-    components.reward_fn = clock.wrap("reward", saved["reward_fn"])
-    components.tokenizer = _Proxy(tokenizer, batch_decode=clock.wrap("reward", tokenizer.batch_decode))
-    for name, fn in fns.items():
-        setattr(pipeline, name, clock.wrap("correction", fn))
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(components, name, value)
-        for name, fn in fns.items():
-            setattr(pipeline, name, fn)
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # Running a mode
 # ---------------------------------------------------------------------------------------------------------------
 @dataclasses.dataclass
@@ -273,17 +197,17 @@ def run_mode(args, mode: str, model: Path, shape: ModelShape, work: Path) -> tup
     cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, stop_token_ids=()))
     set_seed(cfg.train.seed)
     components = build_components(cfg)
-    clock = PhaseClock(args.device)
+    clock = PhaseClock(args.device, CLOCKS[args.clock])
     results = []
     try:
         with timed_components(components, clock):
             for step in range(args.steps):
                 clock.reset()
                 clock.sync()
-                t0 = time.perf_counter()
+                t0 = clock.clock()
                 metrics = run_rollout(cfg, components, step)
                 clock.sync()
-                total = time.perf_counter() - t0
+                total = clock.clock() - t0
                 seconds = {phase: clock.seconds.get(phase, 0.0) for phase in PHASES}
                 seconds["other"] = total - sum(seconds.values())
                 seconds["step"] = total
@@ -383,6 +307,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
     torch.set_num_threads(args.threads)
     shape = ModelShape.from_hf_config(SHAPES[args.shape])
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {args.threads} thread(s)"
+    device += f", {args.clock} clock"
     print(f"# {args.shape} shape ({shape.num_parameters() / 1e9:.2f}B), {args.dtype}, {device}; "
           f"{args.prompts} prompts x {args.n_samples} samples x ({args.prompt_len} + {args.response_len}) tokens; "
           f"{args.train_backend} learner, micro-batches of {args.max_tokens_per_gpu} tokens, recompute "
