@@ -225,7 +225,7 @@ def run_mode(args, mode: str, model: Path, shape: ModelShape, work: Path) -> tup
                          max_tokens_per_gpu=args.max_tokens_per_gpu,
                          recompute=None if args.recompute_granularity == "none" else args.recompute_granularity,
                          dtype_bytes=_dtype_bytes(args), learner=args.train_backend,
-                         offload_rollout=cfg.cluster.offloads_rollout, with_ref=cfg.loss.needs_ref)
+                         offload_rollout=cfg.offloads_rollout, with_ref=cfg.loss.needs_ref)
     del components
     _free(args.device)
     return results, phase_peaks(plan_step(shape, step_spec))

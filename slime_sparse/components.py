@@ -87,7 +87,7 @@ def build_backends(cfg: RunConfig) -> tuple[Any, Any, Any]:
 def colocated(engine: Any, cfg: RunConfig) -> Any:
     """The engine as the loop sees it: holding its KV cache and graphs only while it generates under
     --offload-rollout (on by default where it shares devices with the learner)."""
-    return OffloadingEngine(engine) if cfg.cluster.offloads_rollout else engine
+    return OffloadingEngine(engine) if cfg.offloads_rollout else engine
 
 
 def build_components(cfg: RunConfig) -> Components:

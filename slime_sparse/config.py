@@ -394,8 +394,8 @@ class ClusterConfig:
     offload_rollout: bool | None = field(default=None, metadata={"help": (
         "the engines give back their KV cache and CUDA graphs (SGLang: its memory saver's regions) while the "
         "learner recomputes, trains and updates their weights, and take them again before generating (slime's). "
-        "Default: on where learner and engines share devices (--colocate, or a run without --use-ray), as slime "
-        "turns it on with --colocate")})
+        "Default: on where learner and engines share devices (--colocate, as slime turns it on, or the embedded "
+        "engine without --use-ray)")})
     ray_cpus_per_actor: float = field(default=1.0, metadata={"help": "CPUs in each bundle"})
     update_weight_mode: str = field(default="auto", metadata={"help": (
         "broadcast (torch.distributed) | tensor (object store) | auto: tensor iff --colocate")})
@@ -416,13 +416,6 @@ class ClusterConfig:
         if self.rollout_num_gpus is not None:
             return self.rollout_num_gpus
         return self.num_learner_ranks if self.colocate else 1
-
-    @property
-    def offloads_rollout(self) -> bool:
-        """--offload-rollout as resolved: on where learner and engines share devices."""
-        if self.offload_rollout is not None:
-            return self.offload_rollout
-        return self.colocate or not self.use_ray
 
     @property
     def num_engines(self) -> int:
@@ -507,6 +500,10 @@ class RunConfig:
         if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
             dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
         self._validate_engine_kv()
+        if self.offloads_rollout and self.rollout.engine == "sglang" and not self.sglang.enable_memory_saver:
+            raise ValueError(f"{flag_for('cluster', 'offload_rollout')} with {flag_for('rollout', 'engine')} sglang "
+                             f"needs {flag_for('sglang', 'enable_memory_saver')} (the servers release memory through "
+                             "it)")
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -521,6 +518,13 @@ class RunConfig:
             from sglang_patches.settings import check_sglang_kv_config  # no SGLang import: pure settings
 
             check_sglang_kv_config(self.kv)
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """--offload-rollout as resolved: on where the learner and the engines share devices."""
+        if self.cluster.offload_rollout is not None:
+            return self.cluster.offload_rollout
+        return self.cluster.colocate or (not self.cluster.use_ray and self.rollout.engine == "embedded")
 
     @property
     def steps_per_rollout(self) -> int:

@@ -10,7 +10,6 @@ from slime_sparse.algo import LossConfig
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.backends.recompute import Recompute
-from slime_sparse.config import ClusterConfig
 from slime_sparse.config_loader import load_config
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.embedded import EmbeddedEngine
@@ -54,11 +53,15 @@ def test_bad_recompute_settings_name_the_flag(base_args, extra, message):
         load_config(base_args + extra)
 
 
-def test_offload_rollout_defaults_on_where_engine_and_learner_share_devices():
-    assert ClusterConfig().offloads_rollout  # one process: one device for both
-    assert not ClusterConfig(use_ray=True).offloads_rollout  # Ray, engines on their own GPUs
-    assert ClusterConfig(use_ray=True, colocate=True).offloads_rollout  # slime: --colocate turns it on
-    assert not ClusterConfig(offload_rollout=False).offloads_rollout
+def test_offload_rollout_defaults_on_where_engine_and_learner_share_devices(base_args):
+    assert load_config(base_args).offloads_rollout  # the embedded engine in this process: the learner's device
+    assert not load_config(base_args + ["--use-ray"]).offloads_rollout  # engines on their own GPUs
+    assert load_config(base_args + ["--use-ray", "--colocate"]).offloads_rollout  # slime: --colocate turns it on
+    assert not load_config(base_args + ["--no-offload-rollout"]).offloads_rollout
+    # SGLang servers of their own in this process: not colocated; offloading them needs SGLang's memory saver
+    assert not load_config(base_args + ["--rollout-engine", "sglang"]).offloads_rollout
+    with pytest.raises(ValueError, match="--sglang-enable-memory-saver"):
+        load_config(base_args + ["--rollout-engine", "sglang", "--offload-rollout"])
 
 
 class _Engine:
