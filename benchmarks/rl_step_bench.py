@@ -127,7 +127,7 @@ def model_dir(args) -> Path:
     torch.manual_seed(args.seed)
     with torch.device(args.device):  # random init on the device: seconds for a 7B on a GPU, not minutes on a CPU
         model = AutoModelForCausalLM.from_config(config)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.parent / f"{path.name}.tmp"
     model.to(torch.bfloat16 if args.dtype == "bf16" else torch.float32).save_pretrained(tmp)
     save_tokenizer(build_char_tokenizer(), tmp)
     del model
