@@ -21,6 +21,7 @@ from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.flags import flag_for
 from slime_sparse.reward import get_reward_fn
+from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.utils.imports import load_function
 from slime_sparse.utils.logging import progress_bar
 
@@ -90,6 +91,12 @@ def build_backends(cfg: RunConfig) -> tuple[Any, Any, Any]:
     return build_learner(LearnerSpec.from_run(cfg)), build_engine(EngineSpec.from_run(cfg)), None
 
 
+def colocated(engine: Any, cfg: RunConfig) -> Any:
+    """The engine as the loop sees it: holding its KV cache and graphs only while it generates under
+    --offload-rollout (on by default where it shares devices with the learner)."""
+    return OffloadingEngine(engine) if cfg.offloads_rollout else engine
+
+
 def build_components(cfg: RunConfig) -> Components:
     tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
     dataset = PromptDataset(cfg.data, tokenizer)
@@ -109,7 +116,8 @@ def build_components(cfg: RunConfig) -> Components:
         getattr(reward_fn, "close", lambda: None)()
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
-                            engine=engine, rollout_fn=rollout_fn, eval_sets=eval_sets, placement=placement)
+                            engine=colocated(engine, cfg), rollout_fn=rollout_fn, eval_sets=eval_sets,
+                            placement=placement)
     try:
         components.sync_weights()
     except BaseException:

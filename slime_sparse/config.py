@@ -84,6 +84,10 @@ class RunConfig:
         if self.loss.distills and self.train.train_backend != "embedded":
             raise ValueError(f"{flag_for('loss', 'loss_type')} smd needs {flag_for('train', 'train_backend')} embedded "
                              "(a dense and a shadow forward per micro-batch; Megatron's learner runs shadow only)")
+        if self.train.recompute_granularity and self.loss.trains_shadow:
+            raise ValueError(f"{flag_for('train', 'recompute_granularity')} with {flag_for('loss', 'loss_type')} "
+                             f"{self.loss.loss_type}: backward would recompute the attention without the samples' "
+                             "eviction masks (they are installed for the forward only); drop one of the two")
         if self.correction.bypass_mode and self.loss.trains_shadow:
             raise ValueError(f"{flag_for('correction', 'bypass_mode')} with {flag_for('loss', 'loss_type')} "
                              f"{self.loss.loss_type}: its PPO anchor is already the sampler's own policy (pi_shadow)")
@@ -93,6 +97,10 @@ class RunConfig:
                              f"{flag_for('train', 'hf_checkpoint')}")
         if self.eval.eval_kv_method:  # the --kv-* knobs must fit the evaluation's method even when rollouts are dense
             dataclasses.replace(self.kv, method=self.eval.eval_kv_method).validate()
+        if self.offloads_rollout and self.rollout.engine == "sglang" and not self.sglang.enable_memory_saver:
+            raise ValueError(f"{flag_for('cluster', 'offload_rollout')} with {flag_for('rollout', 'engine')} sglang "
+                             f"needs {flag_for('sglang', 'enable_memory_saver')} (the servers release memory through "
+                             "it)")
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -100,6 +108,13 @@ class RunConfig:
                 f"{flag_for('rollout', 'rollout_batch_size')} x {flag_for('rollout', 'n_samples_per_prompt')} = "
                 f"{samples}"
             )
+
+    @property
+    def offloads_rollout(self) -> bool:
+        """--offload-rollout as resolved: on where the learner and the engines share devices."""
+        if self.cluster.offload_rollout is not None:
+            return self.cluster.offload_rollout
+        return self.cluster.colocate or (not self.cluster.use_ray and self.rollout.engine == "embedded")
 
     @property
     def steps_per_rollout(self) -> int:

@@ -17,6 +17,7 @@ from slime_sparse.algo import LossConfig
 from slime_sparse.backends.megatron.config import MegatronConfig
 from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.optimizer import OptimConfig
+from slime_sparse.backends.recompute import Recompute
 from slime_sparse.config import RunConfig, TrainConfig
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig, sglang_lm_head_args
@@ -59,6 +60,11 @@ class LearnerSpec:
                            decay_style=train.lr_decay_style, min_lr=train.min_lr, decay_iters=train.lr_decay_iters)
 
     @property
+    def recompute(self) -> Recompute | None:
+        train = self.train
+        return Recompute.from_flags(train.recompute_granularity, train.recompute_method, train.recompute_num_layers)
+
+    @property
     def batching(self) -> MicroBatching:
         train = self.train
         return MicroBatching(max_tokens=train.max_tokens_per_gpu if train.dynamic_batching else None,
@@ -74,13 +80,14 @@ def build_learner(spec: LearnerSpec):
         return build_megatron_learner(
             train.hf_checkpoint or None, spec.loss, spec.megatron, spec.optim, seed=train.seed,
             batching=spec.batching, temperature=spec.temperature,
-            params_dtype=_dtype(train.bf16), fp32_lm_head=train.enable_fp32_lm_head,
+            params_dtype=_dtype(train.bf16), fp32_lm_head=train.enable_fp32_lm_head, recompute=spec.recompute,
         )
     from slime_sparse.backends.embedded.learner import EmbeddedLearner
 
     model = load_model(train.hf_checkpoint, resolve_device(train.device), _dtype(train.bf16))
     return EmbeddedLearner(model, spec.loss, optim=spec.optim, batching=spec.batching, temperature=spec.temperature,
-                           need_ref=spec.loss.needs_ref, fp32_lm_head=train.enable_fp32_lm_head)
+                           need_ref=spec.loss.needs_ref, fp32_lm_head=train.enable_fp32_lm_head,
+                           recompute=spec.recompute)
 
 
 @dataclass(frozen=True)

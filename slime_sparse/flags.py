@@ -108,6 +108,10 @@ SPELLINGS: dict[str, dict] = {
         "help": "slime's: mismatch metrics on every rollout, also where they cost a forward (under "
                 "--use-rollout-logprobs): the same as --mismatch-metrics-interval 1",
     },
+    "--recompute-activations": {
+        "sets": {"train.recompute_granularity": "selective"},
+        "help": "Megatron's: the same as --recompute-granularity selective",
+    },
     "--calculate-per-token-loss": {
         "sets": {"loss.loss_agg_mode": "token-mean"},
         "help": "slime's per-token loss (every token of the global batch weighs the same): the same as "

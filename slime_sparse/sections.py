@@ -46,6 +46,17 @@ class TrainConfig:
     micro_batch_size: int | None = field(default=None, metadata={"help": (
         "samples per micro-batch without dynamic batching (slime's default 1); ignored under "
         "--use-dynamic-batch-size, as in slime")})
+    recompute_granularity: str | None = field(default=None, metadata={"help": (
+        "activation recompute, Megatron's (and slime's) flag: full keeps only each layer's input for backward and "
+        "recomputes the rest (the embedded learner: torch's checkpoint per decoder layer; Megatron: by "
+        "--recompute-method); selective (Megatron only) recomputes the core attention. Unset: none. "
+        "tools/plan_memory.py shows what each saves")})
+    recompute_method: str | None = field(default=None, metadata={"help": (
+        "with --recompute-granularity full: uniform (every layer's input kept, Megatron's chunks of "
+        "--recompute-num-layers layers; the embedded learner: chunks of 1) | block (only the first "
+        "--recompute-num-layers layers recomputed, the rest keep everything). Default uniform")})
+    recompute_num_layers: int | None = field(default=None, metadata={"help": (
+        "layers per recomputed chunk (uniform) or recomputed layers (block); default 1 with full")})
     lr: float = field(default=1e-6, metadata={"help": "Adam learning rate (the paper's 1e-6)"})
     lr_decay_style: str = field(default="constant", metadata={"help": (
         "constant | linear | cosine, Megatron's schedules (from transformers on the embedded learner, Megatron's "
@@ -97,6 +108,7 @@ class TrainConfig:
         if self.micro_batch_size is not None:
             positive(self, "micro_batch_size")
         self._validate_schedule()
+        self._validate_recompute()
 
     def _validate_schedule(self) -> None:
         if self.lr_decay_style == "constant":
@@ -109,6 +121,29 @@ class TrainConfig:
         if self.lr_decay_iters is not None and self.lr_decay_iters <= self.lr_warmup_iters:
             raise ValueError(f"{flag(self, 'lr_decay_iters')}={self.lr_decay_iters} must exceed "
                              f"{flag(self, 'lr_warmup_iters')}={self.lr_warmup_iters} (decay follows warm-up)")
+
+    def _validate_recompute(self) -> None:
+        granularity = self.recompute_granularity
+        if granularity is None:
+            unused = [flag(self, n) for n in ("recompute_method", "recompute_num_layers") if getattr(self, n) is not None]
+            if unused:
+                raise ValueError(f"{', '.join(unused)} need {flag(self, 'recompute_granularity')} full")
+            return
+        choice(self, "recompute_granularity", ("full", "selective"))
+        if granularity == "selective" and (self.recompute_method or self.recompute_num_layers):
+            raise ValueError(f"{flag(self, 'recompute_method')} / {flag(self, 'recompute_num_layers')} go with "
+                             f"{flag(self, 'recompute_granularity')} full (selective recomputes the core attention)")
+        if self.recompute_method is not None:
+            choice(self, "recompute_method", ("uniform", "block"))
+        if self.recompute_num_layers is not None:
+            positive(self, "recompute_num_layers")
+        if self.train_backend == "embedded":
+            if granularity == "selective":
+                raise ValueError(f"{flag(self, 'recompute_granularity')} selective is Megatron's (its core "
+                                 "attention); the embedded learner recomputes whole layers: use full")
+            if (self.recompute_method or "uniform") == "uniform" and (self.recompute_num_layers or 1) != 1:
+                raise ValueError(f"{flag(self, 'recompute_num_layers')}={self.recompute_num_layers} with uniform "
+                                 "recompute: the embedded learner checkpoints every decoder layer on its own (1)")
 
     def check_inputs(self) -> None:
         """--hf-checkpoint is a local directory; --load is our training checkpoint (or a directory of them), or a
@@ -268,6 +303,11 @@ class ClusterConfig:
     rollout_num_gpus_per_engine: int = field(default=1, metadata={"help": "devices (bundles) of one rollout engine"})
     colocate: bool = field(default=False, metadata={"help": (
         "learner and engines share devices (engines release memory while the learner trains)")})
+    offload_rollout: bool | None = field(default=None, metadata={"help": (
+        "the engines give back their KV cache and CUDA graphs (SGLang: its memory saver's regions) while the "
+        "learner recomputes, trains and updates their weights, and take them again before generating (slime's). "
+        "Default: on where learner and engines share devices (--colocate, as slime turns it on, or the embedded "
+        "engine without --use-ray)")})
     ray_cpus_per_actor: float = field(default=1.0, metadata={"help": "CPUs in each bundle"})
     update_weight_mode: str = field(default="auto", metadata={"help": (
         "broadcast (torch.distributed) | tensor (object store) | auto: tensor iff --colocate")})

@@ -3,6 +3,7 @@ report besides time is checked)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -100,3 +101,34 @@ def test_mismatch_split_cost_ci_row(capsys):
     assert float(row["split / rest"].rstrip(" %")) > 0
     with pytest.raises(SystemExit, match="MODEL:BATCH:PROMPT:RESPONSE:BUDGET"):
         bench.parse_args(["--rows", "tiny:8:8:x:12"])
+
+
+def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path):
+    """2 GRPO steps of the training loop per mode on the tiny shape: every phase prints, the timed phases add up to
+    the whole step within 5 % (what is left is the loop's bookkeeping), the modes got the same KV memory (the dense
+    engine decodes fewer sequences at once), and the planner's estimate prints beside each planned phase."""
+    bench = load("rl_step_bench")
+    out = tmp_path / "steps.jsonl"
+    tables = bench.main(["--shape", "tiny", "--device", "cpu", "--steps", "2", "--cache-dir", str(tmp_path / "model"),
+                         "--out", str(out)])
+    header = cells(bench.TIME_HEADER.splitlines()[0])
+    rows = {r["mode"]: r for r in (dict(zip(header, cells(line))) for line in tables["time"])}
+    assert set(rows) == {"dense", "sparse"}
+    phases = [f"{p} s" for p in (*bench.PHASES, "other")]
+    for mode, r in rows.items():
+        assert all(float(r[p]) >= 0 for p in phases)
+        assert min(float(r["rollout s"]), float(r["recompute s"]), float(r["learner step s"])) > 0
+    # the same KV memory: 8 rows of R-KV 16 + 8 slots (+ a query ring) hold 2 dense rows of 16 + 64 slots
+    assert (int(rows["dense"]["rows at once"]), int(rows["sparse"]["rows at once"])) == (2, 8)
+    memory = [dict(zip(cells(bench.MEMORY_HEADER.splitlines()[0]), cells(line))) for line in tables["memory"]]
+    assert [(m["mode"], m["phase"]) for m in memory] == [(mode, p) for mode in ("dense", "sparse")
+                                                          for p in bench.PLANNED]
+    assert all(float(m["planner MiB"]) > 0 and m["measured peak MiB"] == "-" for m in memory)  # no CUDA here
+    assert [cells(line)[0] for line in tables["ratio"]] == ["whole step", "rollout phase"]
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["step"]) for r in records] == [("dense", 0), ("dense", 1), ("sparse", 0), ("sparse", 1)]
+    assert all(r["gen_tokens"] == 8 * 64 for r in records)  # every answer ran to the response length
+    for r in records:  # each step, warm-up included: the timed phases are the step, the rest is bookkeeping
+        seconds = r["seconds"]
+        assert sum(seconds[p] for p in (*bench.PHASES, "other")) == pytest.approx(seconds["step"], rel=1e-9)
+        assert 0 <= seconds["other"] <= 0.05 * seconds["step"], r

@@ -30,12 +30,15 @@ def test_every_step_has_an_explicit_timeout_and_the_run_fits_eight_minutes():
     text = SCRIPT.read_text()
     calls = re.findall(r"^(?:\S+=\S+ )?step (\w+) (\S+) ", text, flags=re.M)
     names = [name for name, _ in calls]
-    assert {"env", "gpu_tests", "rollout_bench", "megatron_smoke", "megatron_fp32_head"} <= set(names)
+    assert {"env", "gpu_tests", "rollout_bench", "megatron_smoke", "train_tiny", "train_tiny_megatron",
+            "rl_step_bench"} <= set(names)
+    assert int(dict(calls)["rl_step_bench"]) <= 150 and int(dict(calls)["rollout_bench"]) == 150
     assert all(limit.isdigit() for _, limit in calls), calls
     sglang = {"sglang_contract", "sglang_smoke"}  # only where SGLang imports, never on the device image
     assert sum(int(limit) for name, limit in calls if name not in sglang) <= 480
     assert "timeout --kill-after" in text and "SGLang is not installed" in text
-    assert 'carry=[".whl"]' in text  # the device call is written out at the top
+    assert 'carry=[".whl", ".cache/tiny_assets"]' in text  # the device call is written out at the top
+    assert "--device cuda" in text and "--train-backend megatron" in text  # the loop on CUDA, both learners
 
 
 def test_summary_table_holds_the_figures_of_every_step(tmp_path):
@@ -67,3 +70,28 @@ def test_summary_table_holds_the_figures_of_every_step(tmp_path):
                      "exported 50 HF tensors", "fusions on: bias_activation_fusion", "not installable here"):
         assert expected in table, expected
     assert re.search(r"^gpu_tests\s+FAILED \(exit 1\)", table, flags=re.M)
+
+
+def test_summary_reads_the_training_runs_and_the_rl_step_benchmark(tmp_path):
+    rows = [("train_tiny", "0", "31", "40"), ("train_tiny_megatron", "1", "12", "40"), ("rl_step_bench", "124", "75", "75")]
+    (tmp_path / "steps.tsv").write_text("".join("\t".join(r) + "\n" for r in rows))
+    (tmp_path / "train_tiny.log").write_text(
+        "Sparse-RL tiny run (sparse_rl), 9s of training (9s CPU), 30s in all\n\n"
+        "metric                                         start       end    change\n"
+        "eval accuracy, dense inference (greedy)        0.266     0.922    +0.656\n"
+        "KV token savings                               0.466     0.471    +0.005\n")
+    (tmp_path / "train_tiny_megatron.log").write_text("Traceback (most recent call last):\n"
+                                                      "ModuleNotFoundError: No module named 'datasets'\n")
+    bench = ("| dense | 35 | 20.112 | 17.500 | 0.010 | 0.500 | 1.800 | 0.100 | 0.020 | 0.182 | 3746 | 40000 | 38.1 |\n"
+             "| dense | rollout | 9000.0 | 9500.0 | 1.06 |\n"
+             "| whole step | 20.112 | 11.000 | 1.83 |\n")
+    (tmp_path / "rl_step_bench.log").write_text("# sparse step 1/2: 11.00 s (rollout 8.0, ...)\n" + bench)
+    table = _summary_module().summary(tmp_path)
+    for expected in ("eval accuracy, dense inference (greedy) 0.266 0.922 +0.656", "Sparse-RL tiny run",
+                     "No module named 'datasets'", "dense (35 rows at once): step 20.112 s = rollout 17.500",
+                     "MFU 38.1 %", "dense rollout: peak 9000.0 MiB, planner 9500.0 MiB (1.06)",
+                     "whole step: dense 20.112 s / sparse 11.000 s = 1.83x"):
+        assert expected in table, expected
+    assert re.search(r"^rl_step_bench\s+TIMEOUT \(75 s\)", table, flags=re.M)
+    (tmp_path / "rl_step_bench.log").write_text("# sparse step 1/2: 11.00 s (rollout 8.0, ...)\n")  # cut short
+    assert "sparse step 1/2: 11.00 s" in _summary_module().summary(tmp_path)

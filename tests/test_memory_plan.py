@@ -96,8 +96,10 @@ def test_cli_prints_the_plan(tmp_path, capsys):
                       "--learner-layouts", "2x1x4"]) == 0
     out = capsys.readouterr().out
     shape = ModelShape.from_hf_config(QWEN25_7B)
-    dense = plan_rollout(shape, kv=None, gpu_bytes=80 * GIB, mem_fraction_static=0.8, dtype_bytes=2, prompt_len=512,
-                         max_new_tokens=8192)
+    from slime_sparse.rollout.sglang.config import SGLangEngineConfig
+
+    dense = plan_rollout(shape, kv=None, gpu_bytes=80 * GIB, mem_fraction_static=SGLangEngineConfig.mem_fraction_static,
+                         dtype_bytes=2, prompt_len=512, max_new_tokens=8192)
     assert "7.62B parameters" in out and f"{dense.max_requests:,}" in out and "2x1x4" in out
 
 

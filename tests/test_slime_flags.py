@@ -393,7 +393,8 @@ SLIME_DEFAULTS = {
     "--rollout-num-gpus": None, "--rollout-num-gpus-per-engine": 1, "--colocate": False,
     "--update-weight-buffer-size": 512 * 1024**2, "--tensor-model-parallel-size": 1,
     "--pipeline-model-parallel-size": 1, "--sequence-parallel": False, "--use-distributed-optimizer": False,
-    "--make-vocab-size-divisible-by": 128, "--recompute-activations": False, "--bf16": False,
+    "--make-vocab-size-divisible-by": 128, "--recompute-granularity": None, "--recompute-method": None,
+    "--recompute-num-layers": None, "--offload-rollout": None, "--bf16": False,
     "--over-sampling-batch-size": None, "--dynamic-sampling-filter-path": None,
     # passed through to SGLang by slime, so SGLang's own (automatic) choice
     "--sglang-mem-fraction-static": None, "--sglang-attention-backend": None,

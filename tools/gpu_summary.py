@@ -4,7 +4,8 @@
     python tools/gpu_summary.py OUT     # OUT: what gpu_checks.sh wrote (steps.tsv, <step>.log, gpu_report.jsonl)
 
 Figures come from each step's own output: the exactness tests' JSON lines (gpu_report.jsonl), the Megatron smoke
-runs' step lines, the rollout benchmark's table rows, the environment step's import lines. Standard library only.
+runs' step lines, the rollout and RL-step benchmarks' table rows, the tiny training runs' start/end tables, the
+environment step's import lines. Standard library only.
 """
 from __future__ import annotations
 
@@ -65,14 +66,45 @@ def bench_figures(log: str) -> list[str]:
     return rows or [line for line in log.splitlines() if "Error" in line][-3:]
 
 
+def training_figures(log: str) -> list[str]:
+    """The tiny recipe's run: its time line and start/end table (metric, start, end, change), or its error."""
+    keep = ("Sparse-RL tiny run", "eval accuracy", "rollout reward", "KV token savings", "sequence rejection",
+            "mismatch KL k3", "Error", "error:")
+    return [" ".join(line.split()) for line in log.splitlines() if any(k in line for k in keep)
+            and not line.lstrip().startswith(("File ", "warnings.warn"))][-10:]
+
+
+def rl_step_figures(log: str) -> list[str]:
+    """benchmarks/rl_step_bench.py: per mode the step and its phases, the memory rows, the dense / sparse ratios;
+    only the steps that finished when it was cut short."""
+    rows, steps = [], []
+    for line in log.splitlines():
+        if line.startswith("# ") and " step " in line and ": " in line:
+            steps.append(line[2:])
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or cells[0] in ("mode", "---", ""):
+            continue
+        if len(cells) == 13:  # time rows
+            mode, rows_at_once, step, rollout, reward, recompute, train, sync, correction, other, gen, learn, mfu = cells
+            rows.append(f"{mode} ({rows_at_once} rows at once): step {step} s = rollout {rollout} + recompute "
+                        f"{recompute} + learner {train} + update {sync} + correction {correction} + reward {reward} + "
+                        f"other {other}; {gen} gen tok/s, learner {learn} tok/s, MFU {mfu} %")
+        elif len(cells) == 5:  # memory rows
+            mode, phase, measured, planned, ratio = cells
+            rows.append(f"{mode} {phase}: peak {measured} MiB, planner {planned} MiB ({ratio})")
+        elif len(cells) == 4:  # ratio rows
+            rows.append(f"{cells[0]}: dense {cells[1]} s / sparse {cells[2]} s = {cells[3]}x")
+    return rows or steps or [line for line in log.splitlines() if "Error" in line][-3:]
+
+
 def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.3g}"
     return str(value)
 
 
-FIGURES = {"env": env_figures, "megatron_smoke": megatron_figures, "megatron_fp32_head": megatron_figures,
-           "rollout_bench": bench_figures}
+FIGURES = {"env": env_figures, "megatron_smoke": megatron_figures, "rollout_bench": bench_figures,
+           "train_tiny": training_figures, "train_tiny_megatron": training_figures, "rl_step_bench": rl_step_figures}
 
 
 def summary(out: Path) -> str:

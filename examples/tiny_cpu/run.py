@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     parser.add_argument("--variant", choices=sorted(VARIANTS), default="sparse_rl")
     parser.add_argument("--cache-dir", default=".cache/tiny_assets")
     parser.add_argument("--run-dir", default=None, help="default: runs/tiny_cpu_<variant>")
+    parser.add_argument("--assets-only", action="store_true",
+                        help="build (or find) the assets and stop (tools/fetch_gpu_wheels.sh prepares a GPU run so)")
     args = parser.parse_args(argv)
     run_dir = args.run_dir or f"runs/tiny_cpu_{args.variant}"
 
@@ -130,6 +132,8 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     meta = json.loads(assets.metadata_path.read_text())
     print(f"assets ready in {time.perf_counter() - t0:.0f}s ({time.process_time() - c0:.0f}s CPU, "
           f"{meta.get('num_parameters')} parameters): {assets.root}")
+    if args.assets_only:
+        return 0
 
     t1, c1 = time.perf_counter(), time.process_time()
     rc = train_main([

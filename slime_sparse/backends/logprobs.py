@@ -64,8 +64,11 @@ def response_log_softmax(
     pos = (starts[:, None] + offs[None, :]).clamp(min=0, max=input_ids.shape[1] - 1)
     tgt_pos = (pos + 1).clamp(max=input_ids.shape[1] - 1)
     picked = torch.gather(hidden, 1, pos[:, :, None].expand(-1, -1, hidden.shape[-1]))
-    logits = lm_head_logits(picked, hf_head_weight(model), fp32=fp32_lm_head)
-    return tempered_log_softmax(logits, temperature), torch.gather(input_ids, 1, tgt_pos)
+    del hidden  # the last layer's output is not needed past the head's input rows (autograd keeps what it needs)
+    targets = torch.gather(input_ids, 1, tgt_pos)
+    # one expression: no name holds the fp32 logits while their tempered copy and its log-softmax are made, so the
+    # head peaks at two [R, V] fp32 tensors, not three (kv/step_memory.py counts them)
+    return tempered_log_softmax(lm_head_logits(picked, hf_head_weight(model), fp32=fp32_lm_head), temperature), targets
 
 
 def response_logprobs(

@@ -46,6 +46,7 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool
     attention_bias: bool
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (head_dim weights each)
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelShape":
@@ -60,6 +61,7 @@ class ModelShape:
                 tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
                 # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias
                 attention_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
+                qk_norm=config.get("model_type") == "qwen3",
             )
         except KeyError as exc:
             raise ValueError(f"HF config lacks {exc.args[0]!r}, needed to plan memory") from None
@@ -70,7 +72,7 @@ class ModelShape:
         if self.attention_bias:
             attn += self.num_heads * d + 2 * kv * d
         mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)  # RMSNorm weights
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embeddings + h  # + the final norm
 

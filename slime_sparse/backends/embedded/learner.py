@@ -22,6 +22,7 @@ from slime_sparse.backends.logprobs import (
     response_logprobs,
     response_mask,
 )
+from slime_sparse.backends.recompute import Recompute, checkpoint_hf_layers
 from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.backends.optimizer import OptimConfig, adamw, check_resumed_schedule, hf_lr_scheduler
 from slime_sparse.utils.checkpoint import load_training_state, read_trainer_state, save_training_state
@@ -39,6 +40,7 @@ class EmbeddedLearner:
         temperature: float = 1.0,
         need_ref: bool = False,
         fp32_lm_head: bool = False,
+        recompute: Recompute | None = None,
     ):
         self.model = model
         self.loss_cfg = loss_cfg
@@ -49,6 +51,7 @@ class EmbeddedLearner:
         self.ref_model = None
         if need_ref:  # frozen copy of the starting policy for the KL term
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        checkpoint_hf_layers(model, recompute)  # --recompute-granularity full: backward reruns each layer's forward
         self.optimizer = adamw(model.named_parameters(), lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
         self.scheduler = hf_lr_scheduler(self.optimizer, optim)  # sets the lr of step 0
         self.step = 0

@@ -29,8 +29,6 @@ class MegatronConfig:
         "keeps it as the KL reference) instead of --hf-checkpoint; slime's --ref-load, in our converter's layout")})
     vocab_divisible_by: int = field(default=128, metadata={"help": (
         "pad the vocabulary to a multiple of this (Megatron's)")})
-    recompute_activations: bool = field(default=False, metadata={"help": (
-        "recompute activations in backward (less memory)")})
     use_distributed_optimizer: bool = field(default=True, metadata={"help": (
         "GPU only: Megatron's distributed optimizer (Adam state sharded over data-parallel ranks, the same update). "
         "Megatron's default is off; on here for the memory")})

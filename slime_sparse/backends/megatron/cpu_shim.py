@@ -12,14 +12,17 @@ call CUDA unconditionally:
    point-to-point layer allocates shape and activation buffers on `torch.cuda.current_device()` and calls
    `torch.cuda.synchronize()`;
 5. with pipeline parallelism and tied embeddings, `LanguageModule.setup_embeddings_and_output_layer` moves
-   the last stage's copy of the embedding to CUDA (`.cuda()`) before all-reducing it with the first stage.
+   the last stage's copy of the embedding to CUDA (`.cuda()`) before all-reducing it with the first stage;
+6. activation recompute (`--recompute-granularity`) saves and restores the CUDA generator's state around each
+   recomputed chunk (`tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state`).
 
 Saving a distributed checkpoint (dist_checkpointing, torch_dist format) adds two more: the writer's
 `preload_tensors` calls `torch.cuda.synchronize()` and `save_state_dict_async_finalize` broadcasts a
 flag allocated on `torch.cuda.current_device()`. (A forward-time one, the default causal mask built with
 device="cuda" when no mask is passed, is avoided by always passing the mask: see logprobs.causal_mask.)
 
-`apply_cpu_shim()` replaces (1) with a tracker that keeps *CPU* generator states under the same names,
+`apply_cpu_shim()` replaces (1) with a tracker that keeps *CPU* generator states under the same names, (6) with
+the CPU generator's state (the one that generator-using ops on CPU draw from),
 and runs the other functions "CUDA on CPU" for the duration of those calls only: `torch.cuda.current_device()`
 answers "cpu", `torch.cuda.synchronize()` does nothing, factory functions asked for `device="cuda"` allocate
 on the CPU and `Tensor.cuda()` returns the tensor itself. It is a no-op when CUDA is available, idempotent,
@@ -131,6 +134,8 @@ def apply_cpu_shim() -> bool:
     tracker_cls = _make_cpu_tracker_class()
     mrandom._CUDA_RNG_STATE_TRACKER = tracker_cls()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True  # initialize_rng_tracker() keeps ours
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
 
     mutils.GlobalMemoryBuffer.get_tensor = _on_cpu(mutils.GlobalMemoryBuffer.get_tensor)
     rope.RotaryEmbedding.get_emb = _on_cpu(rope.RotaryEmbedding.get_emb)

@@ -31,6 +31,7 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.backends.metrics import step_metrics
 from slime_sparse.backends.optimizer import OptimConfig, check_resumed_schedule, megatron_lr_scheduler
+from slime_sparse.backends.recompute import Recompute
 from slime_sparse.backends.shadow_attention import ShadowMask
 from slime_sparse.kv.record import EvictionRecord
 from slime_sparse.utils.checkpoint import read_trainer_state
@@ -64,6 +65,7 @@ class MegatronLearner:
         need_ref: bool = False,
         params_dtype: torch.dtype = torch.float32,
         fp32_lm_head: bool = False,
+        recompute: Recompute | None = None,
     ):
         megatron.validate()
         if hf_dir is None and not megatron.load:
@@ -80,6 +82,7 @@ class MegatronLearner:
         self.hf_dir = hf_dir
         self.params_dtype = params_dtype
         self.fp32_lm_head = fp32_lm_head  # --enable-fp32-lm-head: the sampler's head arithmetic (utils.lm_head)
+        self.recompute = recompute  # --recompute-granularity / -method / -num-layers (backends.recompute)
         self.step = 0
         self.owns_process_group = False  # set by build_megatron_learner when it initialised torch.distributed
 
@@ -101,7 +104,7 @@ class MegatronLearner:
             use_te=self.megatron.use_te,
             sequence_parallel=self.megatron.sequence_parallel,
             vocab_divisible_by=self.megatron.vocab_divisible_by,
-            recompute_activations=self.megatron.recompute_activations,
+            recompute=self.recompute,
             fp32_lm_head=self.fp32_lm_head,
         )
         if self.megatron.load:
@@ -315,7 +318,8 @@ def mirror_hf_padding_idx(model: torch.nn.Module, pad_token_id: int | None) -> N
 
 def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: MegatronConfig, optim: OptimConfig, *,
                            seed: int = 0, batching: MicroBatching = MicroBatching(), temperature: float = 1.0,
-                           params_dtype: torch.dtype = torch.float32, fp32_lm_head: bool = False) -> MegatronLearner:
+                           params_dtype: torch.dtype = torch.float32, fp32_lm_head: bool = False,
+                           recompute: Recompute | None = None) -> MegatronLearner:
     """The learner with its weights from `hf_dir` (else `megatron.load`), a frozen reference copy when the loss
     has a KL term, and Megatron's process groups, initialised here unless the caller (a launcher, Ray) did."""
     from .parallel import ParallelConfig, init_parallel
@@ -325,6 +329,6 @@ def build_megatron_learner(hf_dir: str | None, loss_cfg: LossConfig, megatron: M
     hf_config = read_hf_config(hf_dir) if hf_dir else ckpt.read_meta(megatron.load)["hf_config"]
     learner = MegatronLearner(hf_config, loss_cfg, hf_dir=hf_dir, megatron=megatron, optim=optim, batching=batching,
                               temperature=temperature, need_ref=loss_cfg.needs_ref, params_dtype=params_dtype,
-                              fp32_lm_head=fp32_lm_head)
+                              fp32_lm_head=fp32_lm_head, recompute=recompute)
     learner.owns_process_group = owns_process_group
     return learner

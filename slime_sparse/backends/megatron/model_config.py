@@ -128,7 +128,7 @@ def transformer_config(
     pp_size: int = 1,
     params_dtype: torch.dtype = torch.float32,
     sequence_parallel: bool = False,
-    recompute_activations: bool = False,
+    recompute=None,
     kernels: KernelChoice | None = None,
 ):
     """The TransformerConfig that reproduces the HF forward. Dropout is 0 (RL fine-tuning recomputes
@@ -167,7 +167,7 @@ def transformer_config(
         perform_initialization=True,
         **kernels.fusion_flags(),
         persist_layer_norm=False,  # Apex's persistent LayerNorm kernel: our models use RMSNorm
-        recompute_granularity="selective" if recompute_activations else None,
+        **(recompute.megatron_kwargs() if recompute is not None else {}),  # backends.recompute.Recompute
     )
     # Micro-batches are padded to their own longest row, so pipeline stages exchange shapes first. Set after
     # __post_init__, whose check against MoE's allgather dispatcher (its default) does not apply to dense models.
@@ -193,7 +193,7 @@ def build_gpt_model(
     use_te: bool | None = None,
     sequence_parallel: bool = False,
     vocab_divisible_by: int = 128,
-    recompute_activations: bool = False,
+    recompute=None,
     fp32_lm_head: bool = False,
 ):
     """Build this rank's GPTModel stage (parallel state initialised; CPU shim applied when no CUDA).
@@ -215,7 +215,7 @@ def build_gpt_model(
         pp_size=pp,
         params_dtype=params_dtype,
         sequence_parallel=sequence_parallel,
-        recompute_activations=recompute_activations,
+        recompute=recompute,
     )
     model = GPTModel(
         config=config,
