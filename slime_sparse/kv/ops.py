@@ -82,5 +82,5 @@ def with_protected(scored: Tensor, n: int, sinks: int) -> Tensor:
     m = scored.shape[-1]
     out = F.pad(scored.float(), (0, n - m), value=PROTECTED_SCORE)
     if sinks:
-        out[..., : min(sinks, n)] = PROTECTED_SCORE
+        out[..., : min(sinks, n)].fill_(PROTECTED_SCORE)  # fill_: a host scalar through setitem lifts a tensor
     return out

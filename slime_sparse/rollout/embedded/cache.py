@@ -177,14 +177,15 @@ class BudgetKVCache(Cache):
         self.seen[:n] += 1
         self.step = None
 
-    # ---- rows (eager, between steps) ----
+    # ---- rows (eager, between steps; fill_ takes its value as a kernel argument: no host-to-device copy, which from
+    # pageable memory would wait for every queued step) ----
     def reset_row(self, row: int) -> None:
-        self.fill[:, row] = 0
-        self.seen[row] = 0
+        self.fill[:, row].fill_(0)
+        self.seen[row].fill_(0)
 
     def park_row(self, row: int) -> None:
         """A row that holds no sequence: full, so that it only ever overwrites its own last slot."""
-        self.fill[:, row] = self.capacity
+        self.fill[:, row].fill_(self.capacity)
 
     def copy_row(self, src: int, dst: int, held: int) -> None:
         """Copy row src into row dst (`held`: the most slots src holds in a layer): a prefill shared by the samples of

@@ -213,12 +213,11 @@ class EmbeddedEngine:
         stats.captures = runner.captures - captures
 
     def _runner_for(self, kv: KVCompressConfig, capacity: int, sequences: int) -> ModelRunner:
-        """The runner of the last call if it fits this one, else a new one (the old one freed first). Capacity is
-        rounded up to the span granularity and rows to the call's need within the memory budget, so that calls of
-        similar sizes share one runner and its graphs."""
+        """The runner of the last call if it fits this one, else a new one (the old one freed first). With graphs,
+        capacity is rounded up to the span granularity, so that calls of similar lengths share one runner."""
         mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
         context = self.model.config.max_position_embeddings
-        if not kv.enabled or capacity < trigger(kv):
+        if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):  # graphs read spans in these steps anyway
             capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, context)
         rows = self.max_rows(kv, capacity)
         shape = RunnerShape(kv, min(rows, sequences), capacity, mode, self.readback_interval)

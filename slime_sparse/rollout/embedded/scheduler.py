@@ -179,7 +179,8 @@ class Scheduler:
                         cut.append((row, [seq]))
                 else:
                     done.append((b, seq, group))
-            self._compress(cut)
+            if cut:
+                self._compress(cut)
             if done:
                 self._start_decoding(done, logits, rows_of)
 
@@ -210,7 +211,8 @@ class Scheduler:
             lead_row = rows_of[id(seq)][0]
             if live and should_compress(int(table.fill[:, lead_row].max()), self.kv, first_decode=True):
                 cut.append((lead_row, live))
-        self._compress(cut)
+        if cut:
+            self._compress(cut)
         for _, seq, group in done:
             lead_row, *follower_rows = rows_of[id(seq)]
             for member, row in zip(group[1:], follower_rows):
@@ -245,7 +247,8 @@ class Scheduler:
                 # every running row whose cache reached the trigger, in one batched call. Rows the host knows have
                 # ended are left alone; one that ended unseen still compresses (its record drops it)
                 due = np.flatnonzero((table.fill[:, :n].max(axis=0) >= self.trigger) & table.live(n))
-                self._compress([(row, [self.running[row]]) for row in due], decode=True)
+                if len(due):
+                    self._compress([(row, [self.running[row]]) for row in due], decode=True)
         if steps:
             self.pending.append(_Readback(list(self.running), *runner.readback(n, steps)))
         while self.pending and (len(self.pending) > 1 or steps == 0 or self.readback == 1):
