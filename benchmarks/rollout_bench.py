@@ -113,6 +113,8 @@ class Result:
     compress_s: float = 0.0
     prefill_saved: int = 0
     tokens: list[list[int]] = field(default_factory=list)
+    rows: int = 0  # sequences decoded at once (the engine's cache rows)
+    captures: int = 0  # CUDA graphs captured during the call (0 once warm)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -136,7 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "`after` is the engine's default mode on the device)")
     p.add_argument("--same-kv-gib", type=float, default=None,
                    help="also print how many sequences of each row fit in this much KV memory, dense vs each "
-                        "compression, by the engine's own allocation (one slot row per sequence)")
+                        "compression, by the engine's own allocation (one slot row per sequence), and the tok/s of "
+                        "each at that memory (the engine admitting as many rows as fit): the headline table")
+    p.add_argument("--same-kv-max-prompts", type=int, default=512,
+                   help="at most this many prompts in a same-KV-memory run (the most compressed config's fit)")
+    p.add_argument("--same-kv-only", action="store_true", help="only the same-KV-memory tables (no per-batch rows)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the operations dispatched per decode step and per compaction (dense vs each "
+                        "compression, after vs before): the number a GPU's time follows")
     p.add_argument("--max-kv-gib", type=float, default=3.0, help="skip a dense engine whose KV would exceed this")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -282,16 +291,15 @@ def hf_engine(model, device: str) -> Callable[[list[list[int]], int], Result]:
     return run
 
 
-def our_engine(engine_cls, params_cls, model, kv, args, batch: int, **options) -> Callable[[list[list[int]], int], Result]:
-    """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping the method(s)
-    that compress (with a device sync, so the time is the compression's own on GPU too). `options`: engine keyword
-    arguments (step_mode)."""
+def our_engine(engine_cls, params_cls, model, kv, args, batch: int | None, **options
+               ) -> Callable[[list[list[int]], int], Result]:
+    """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping what compresses
+    (`COMPRESS_TARGETS`, with a device sync, so the time is the compression's own on GPU too). `options`: engine keyword
+    arguments (step_mode, kv_cache_gib); batch None: as many rows as kv_cache_gib holds."""
     engine = engine_cls(model, kv, max_batch_size=batch, device=args.device, **options)
-    module = sys.modules[engine_cls.__module__]
-    for cls in (getattr(module, "_Run", None), engine_cls):
-        for name in COMPRESS_METHODS:
-            if cls is not None and name in vars(cls) and not hasattr(vars(cls)[name], "__wrapped__"):
-                setattr(cls, name, _timed(vars(cls)[name], args.device))
+    for cls, name in compress_targets(engine_cls):
+        if not hasattr(vars(cls)[name], "__wrapped__"):
+            setattr(cls, name, _timed(vars(cls)[name], args.device))
 
     def run(prompts: list[list[int]], n_new: int) -> Result:
         params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
@@ -305,13 +313,32 @@ def our_engine(engine_cls, params_cls, model, kv, args, batch: int, **options) -
         stats = getattr(engine, "last_stats", None)
         return Result(seconds, engine.last_kv_cache_bytes, sum(o.kv.kept_kv_tokens for o in outs),
                       stats.forwards if stats else n_new, COMPRESS_TIMER["s"],
-                      stats.prefill_tokens_saved if stats else 0, [o.response_ids for o in outs])
+                      stats.prefill_tokens_saved if stats else 0, [o.response_ids for o in outs],
+                      getattr(stats, "rows", batch or 0), getattr(stats, "captures", 0))
+    run.engine = engine
     return run
 
 
-COMPRESS_METHODS = ("_compress", "_compress_rows")  # what compresses, in the engines of any commit we compare
+# What compresses, in the engines of any commit we compare: (module of the engine's package, class, method).
+COMPRESS_TARGETS = (("compressor", "Compressor", "__call__"), ("engine", "_Run", "_compress_rows"))
+STEP_TARGETS = (("step", "DecodeStep", "run"),)
 COMPRESS_TIMER = {"s": 0.0}  # engines run one at a time: one timer, reset by each call
 CLOCK = time.perf_counter  # main() sets --clock
+
+
+def compress_targets(engine_cls, targets=COMPRESS_TARGETS) -> list[tuple[type, str]]:
+    """The (class, method name) pairs of `targets` that exist in the package of `engine_cls`."""
+    package = engine_cls.__module__.rsplit(".", 1)[0]
+    found = []
+    for module_name, cls_name, method in targets:
+        try:
+            module = importlib.import_module(f"{package}.{module_name}")
+        except ImportError:
+            continue
+        cls = getattr(module, cls_name, None)
+        if cls is not None and method in vars(cls):
+            found.append((cls, method))
+    return found
 
 
 def _timed(fn, device: str):
@@ -366,8 +393,8 @@ HEADER = ("| model | batch | prompt | new | engine | KV | tok/s | x hf | x befor
 
 def median_result(results: list[Result]) -> Result:
     mid = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
-    return Result(statistics.median(r.seconds for r in results), mid.kv_bytes, mid.kv_read_tokens, mid.forwards,
-                  statistics.median(r.compress_s for r in results), mid.prefill_saved, mid.tokens)
+    return dataclasses.replace(mid, seconds=statistics.median(r.seconds for r in results),
+                               compress_s=statistics.median(r.compress_s for r in results))
 
 
 def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before: Result | None,
@@ -391,9 +418,13 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
                         seed=args.seed, model_dirs=args.model_dirs)
     prompts = make_prompts(row, model.config.vocab_size, args.seed)
     engines = engines_for(row, model, args, before)
-    for eng in engines:  # warm-up: one-off costs (allocator, lazy imports, first kernels) stay out of the timings
-        eng.run(prompts, 4)
+    # warm-up at the row's full length: one-off costs (allocator, lazy imports, kernel plans per KV length, our CUDA
+    # graphs of every span) stay out of the timings, for HF as for ours
+    for eng in engines:
+        eng.run(prompts, row.new_tokens)
     repeats = args.long_repeats if row.new_tokens >= 2048 else args.repeats
+    if any(e.label == "hf" for e in engines):
+        repeats = max(3, repeats) | 1  # the HF baseline: a median of an odd number >= 3
     results: list[list[Result]] = [[] for _ in engines]
     for _ in range(repeats):  # interleaved: every engine sees the same share of the machine's load
         for i, eng in enumerate(engines):
@@ -410,6 +441,100 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
         print(lines[-1], flush=True)
     del model, engines
     return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Same KV memory, measured: each engine given the same KV GiB decodes as many sequences at once as fit
+# ---------------------------------------------------------------------------------------------------------------
+SAME_KV_RUN_HEADER = ("| model | prompt | new | KV GiB | KV | sequences at once | prompts | tok/s | x dense | compress % "
+                      "| captures (2nd call) |\n" + "|---" * 11 + "|")
+
+
+def same_kv_measured(row: RowSpec, args) -> list[str]:
+    """tok/s of this checkout's engine at --same-kv-gib of KV memory, dense vs each compression: the engine admits as
+    many rows as fit for its KV config (`kv_cache_gib`). The batch is what the most compressed config fits (at most
+    --same-kv-max-prompts), so it decodes all at once while dense runs in waves: compression as concurrency."""
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
+    configs = [KVCompressConfig()] + [KVCompressConfig(method=m, budget=b, buffer=args.buffer, window=args.window)
+                                      for m in args.methods for b in args.budgets]
+    runs = [our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
+            for kv in configs]
+    from slime_sparse.kv import row_capacity
+
+    fits = [run.engine.max_rows(kv, row_capacity(kv, row.prompt_len + row.new_tokens)) for run, kv in zip(runs, configs)]
+    batch = min(max(fits), args.same_kv_max_prompts)
+    prompts = make_prompts(RowSpec(row.model, batch, row.prompt_len, row.new_tokens), model.config.vocab_size,
+                           args.seed)
+    lines, dense = [], None
+    for kv, run in zip(configs, runs):
+        run(prompts, row.new_tokens)  # warm-up: graphs captured, allocator warm
+        res = median_result([run(prompts, row.new_tokens) for _ in range(args.long_repeats)])
+        dense = dense or res
+        name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
+        compress = f"{100 * res.compress_s / res.seconds:.1f}" if kv.enabled else "-"
+        lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | "
+                     f"{res.rows} | {batch} | {batch * row.new_tokens / res.seconds:.1f} | "
+                     f"{dense.seconds / res.seconds:.2f} | {compress} | {res.captures} |")
+        print(lines[-1], flush=True)
+    del model, runs
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Eager operations per decode step and per compaction: what a GPU's time follows (one kernel launch per op)
+# ---------------------------------------------------------------------------------------------------------------
+OPS_HEADER = ("| model | batch | engine | KV | ops / decode step | syncs / decode step | compactions | rows / compaction "
+              "| ops / compaction | syncs / compaction |\n" + "|---" * 10 + "|")
+
+
+def op_count_rows(row: RowSpec, args, before: ModuleType | None) -> list[str]:
+    """Counts the operations PyTorch dispatches inside the decode step and inside each compaction call (dense vs each
+    compression, this checkout and --before), on one generate() of the row."""
+    from slime_sparse.utils.op_audit import OpCounter
+
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
+    prompts = make_prompts(row, model.config.vocab_size, args.seed)
+    lines = []
+    for eng in engines_for(row, model, args, before):
+        if eng.label == "hf":
+            continue
+        engine = eng.run.engine
+        counters = {"step": OpCounter(), "compress": OpCounter()}
+        calls = {"step": 0, "compress": 0, "rows": 0}
+        wrapped = []
+        for phase, targets in (("step", STEP_TARGETS), ("compress", COMPRESS_TARGETS)):
+            for cls, name in compress_targets(type(engine), targets):
+                original = vars(cls)[name]
+                wrapped.append((cls, name, original))
+                setattr(cls, name, _counted(original, counters[phase], calls, phase))
+        try:
+            eng.run(prompts, row.new_tokens)
+        finally:
+            for cls, name, original in wrapped:
+                setattr(cls, name, original)
+        per = lambda phase, what: f"{what / max(calls[phase], 1):.0f}"  # noqa: E731
+        step, comp = counters["step"], counters["compress"]
+        lines.append(f"| {row.model} | {row.batch} | {eng.label} | {eng.kv_name} | {per('step', step.total)} | "
+                     f"{per('step', step.syncs)} | {calls['compress']} | "
+                     f"{calls['rows'] / max(calls['compress'], 1):.1f} | {per('compress', comp.total)} | "
+                     f"{per('compress', comp.syncs)} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _counted(fn, counter, calls: dict, phase: str):
+    """fn run under `counter` (nested calls of the same phase are not counted twice)."""
+    def wrapper(*a, **k):
+        calls[phase] += 1
+        if phase == "compress":
+            rows = a[1] if len(a) > 1 else k.get("rows", [])
+            calls["rows"] += len(rows)
+        with counter:
+            return fn(*a, **k)
+    wrapper.__wrapped__ = fn
+    return wrapper
 
 
 SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per sequence | sequences that fit | x dense |\n"
@@ -468,14 +593,23 @@ def main(argv: list[str] | None = None) -> list[str]:
               f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
               f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
         lines = []
-        if args.same_kv_gib:  # arithmetic: first, so that a time limit on the rows below cannot lose it
+        if args.same_kv_gib:  # first, so that a time limit on the rows below cannot lose it
             print("Same KV memory: sequences that fit\n" + SAME_KV_HEADER)
             for row in args.rows:
                 lines += same_kv_rows(row, args)
+            print("\nSame KV memory: throughput\n" + SAME_KV_RUN_HEADER)
+            for row in args.rows:
+                lines += same_kv_measured(row, args)
             print()
-        print(HEADER)
-        for row in args.rows:
-            lines += run_row(row, args, before, bandwidth)
+        if args.count_ops:
+            print("Operations dispatched\n" + OPS_HEADER)
+            for row in args.rows:
+                lines += op_count_rows(row, args, before)
+            print()
+        if not args.same_kv_only:
+            print(HEADER)
+            for row in args.rows:
+                lines += run_row(row, args, before, bandwidth)
         print(f"# load average at the end {os.getloadavg()[0]:.1f}")
         return lines
     finally:

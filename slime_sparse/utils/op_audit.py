@@ -31,7 +31,8 @@ def _name(func) -> str:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every operation dispatched inside the block (`total`, `by_name`) and the host syncs among them."""
+    """Counts the operations dispatched inside the block that run a kernel (`total`, `by_name`: views, which only
+    change metadata, are left out) and the host syncs among them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,7 +45,8 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        self.by_name[name] += 1
+        if not getattr(func, "is_view", False):
+            self.by_name[name] += 1
         self.syncs += name in HOST_SYNC_OPS
         return func(*args, **(kwargs or {}))
 
