@@ -50,7 +50,9 @@ class EvictionRecord:
 
     @classmethod
     def from_events(cls, events: list[tuple[int, Tensor | Sequence[Tensor]]]) -> "EvictionRecord | None":
-        """From (tokens processed before the compression, kept positions) in order; None if none. Kept positions:
+        """From (tokens processed before the compression, kept positions) in order; None if none. (Engines build their
+        records from keep bits computed on the device, `from_keep_bits`; this is the reference encoding the tests
+        compare them with, and the constructor for positions known on the host.) Kept positions:
         [L, Hkv, B] under one budget, or one [Hkv, k_l] per layer. A layer keeps B_l at every compression but one
         that found fewer slots than that (a prompt shorter than the layer's budget, cut after prefill under per-layer
         budgets: it keeps them all); the keep bits say how many either way."""
