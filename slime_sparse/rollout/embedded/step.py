@@ -25,7 +25,9 @@ from .attention import CACHE_KWARG
 from .cache import BudgetKVCache, DecodeView
 
 logger = logging.getLogger(__name__)
-NO_MASK = {"full_attention": None}  # a prepared mask mapping: the model builds none (the cache supplies ours)
+# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
+# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
+NO_MASK = None
 STEP_MODES = ("eager", "compile", "cuda_graph")
 # Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
 # cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
