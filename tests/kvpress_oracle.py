@@ -1,30 +1,42 @@
-"""Run NVIDIA kvpress (0.5.5, in its own environment: it needs transformers < 5.3) on a tiny random Llama and save
+"""Run NVIDIA kvpress (0.5.5, in its own environment: it needs transformers < 5.3) on tiny random models and save
 what its presses keep, for tests/test_kv_oracle.py. Nothing of slime_sparse is imported here.
 
-    .cache/kvpress-venv/bin/python tests/kvpress_oracle.py OUT.pt
+    .cache/kvpress-venv/bin/python tests/kvpress_oracle.py tests/data/kvpress_oracle.pt            # the golden
+    .cache/kvpress-venv/bin/python tests/kvpress_oracle.py OUT.pt --arch qwen2 --seed 7 \\
+        --lengths 56,96,136 --ratios 0.375,0.5,0.625                                             # held-out cases
 
-Saved: the post-RoPE keys of every layer [Hkv, n, d] and the post-RoPE queries of the last `window` tokens
-[Hq, w, d] (q_proj + RoPE of the attention's own inputs, as kvpress's SnapKV computes them), then per press the
-positions its compressed cache kept per layer and KV head (found by matching kept keys to the full keys), KeyDiff's
-scores, and PyramidKVPress.get_layer_budget over a grid of budgets.
+Saved, per prompt length n: the post-RoPE keys of every layer [Hkv, n, d] and the post-RoPE queries of the last
+`window` tokens [Hq, w, d] (q_proj + RoPE of the attention's own inputs, as kvpress's SnapKV computes them). Per
+case (press, n, compression ratio, PyramidKV's beta) the slots its compressed prefill cache kept, as a bool mask
+[layers, Hkv, n] (found by matching kept keys to the full keys). One decode-time compression of KeyDiffPress under
+DecodingPress (the keys it was handed and what it kept). PyramidKVPress.get_layer_budget over a grid of prompt
+lengths, ratios, betas, windows and depths.
 """
 from __future__ import annotations
 
+import argparse
 import sys
+from types import SimpleNamespace
 
 import torch
-from kvpress import KeyDiffPress, PyramidKVPress, SnapKVPress
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from kvpress import DecodingPress, KeyDiffPress, PyramidKVPress, SnapKVPress, StreamingLLMPress
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import rotate_half
 
-N_TOKENS, WINDOW, KERNEL = 48, 8, 5
-CONFIG = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, attn_implementation="eager")
+WINDOW, KERNEL, N_SINK = 8, 5, 4
+CONFIG = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, attn_implementation="eager")
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}
+BETAS = (2, 20)  # a gentle pyramid and kvpress's default (which falls back to uniform budgets on short prompts)
+# get_layer_budget's grid: q_len x ratio x beta x window x depth (ratios whose q_len * (1 - ratio) is exact)
+GRID = dict(q_len=(40, 64, 100, 200, 600, 4096), ratio=(0.25, 0.5, 0.75, 0.875), beta=(2, 10, 20),
+            window=(8, 64), layers=(4, 5, 28))
 
 
-def tiny_model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+def tiny_model(arch: str, seed: int):
+    config_cls, model_cls = ARCHS[arch]
+    torch.manual_seed(seed)
+    return model_cls(config_cls(**CONFIG)).eval()
 
 
 def dense_keys_and_queries(model, input_ids):
@@ -48,47 +60,103 @@ def dense_keys_and_queries(model, input_ids):
     return keys, [queries[i] for i in range(len(keys))]
 
 
-def kept_by_press(model, input_ids, press, full_keys) -> list[torch.Tensor]:
-    """Per layer [Hkv, kept] positions (sorted) that `press` kept in prefill."""
+def kept_mask(compressed: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """[Hkv, n] bool: which of the full keys [Hkv, n, d] the compressed ones [Hkv, kept, d] are."""
+    equal = (compressed[:, :, None, :] == full[:, None, :, :]).all(-1)  # [Hkv, kept, n]
+    if not bool((equal.sum(-1) == 1).all()):
+        raise RuntimeError("a kept key matches no / several original keys")
+    return equal.any(1)
+
+
+def kept_by_press(model, input_ids, press, full_keys) -> torch.Tensor:
+    """[layers, Hkv, n] bool: what `press` kept in prefill."""
     cache = DynamicCache()
     with torch.no_grad(), press(model):
         model(input_ids, past_key_values=cache, use_cache=True)
-    out = []
-    for layer, full in enumerate(full_keys):
-        compressed = cache.layers[layer].keys[0]  # [Hkv, kept, d]
-        equal = (compressed[:, :, None, :] == full[:, None, :, :]).all(-1)  # [Hkv, kept, n]
-        if not bool((equal.sum(-1) == 1).all()):
-            raise RuntimeError(f"layer {layer}: a kept key matches no / several original keys")
-        out.append(equal.float().argmax(-1).sort(dim=-1).values)
+    return torch.stack([kept_mask(cache.layers[layer].keys[0], full) for layer, full in enumerate(full_keys)])
+
+
+class RecordingKeyDiff(KeyDiffPress):
+    """KeyDiffPress that records, per layer, the keys it was handed and the keys it kept."""
+
+    def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+        kept_keys, kept_values = super().compress(module, hidden_states, keys, values, attentions, kwargs)
+        self.seen[module.layer_idx] = (keys[0].clone(), kept_keys[0].clone())
+        return kept_keys, kept_values
+
+
+def keydiff_decode(model, input_ids, target: int) -> dict:
+    """Prefill input_ids[:, :-1] (DecodingPress leaves prefill alone), then decode the last token: with
+    compression_interval=1 that step compresses every layer to `target` slots by KeyDiffPress's
+    ScorerPress.compress."""
+    base = RecordingKeyDiff()
+    base.seen = {}
+    press = DecodingPress(base_press=base, compression_interval=1, target_size=target)
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids[:, :-1], past_key_values=cache, use_cache=True)
+        model(input_ids[:, -1:], past_key_values=cache, use_cache=True)
+    layers = range(len(model.model.layers))
+    keys = [base.seen[layer][0] for layer in layers]
+    return {"keys": keys, "target": target, "kept": torch.stack([kept_mask(base.seen[layer][1], keys[layer])
+                                                                 for layer in layers])}
+
+
+def layer_budget_grid() -> dict:
+    out = {}
+    for q_len in GRID["q_len"]:
+        for ratio in GRID["ratio"]:
+            for beta in GRID["beta"]:
+                for window in GRID["window"]:
+                    press = PyramidKVPress(compression_ratio=ratio, window_size=window, beta=beta)
+                    for layers in GRID["layers"]:
+                        config = SimpleNamespace(num_hidden_layers=layers)
+                        out[(q_len, ratio, beta, window, layers)] = [
+                            press.get_layer_budget(SimpleNamespace(config=config, layer_idx=i), q_len)
+                            for i in range(layers)]
     return out
 
 
-def main(path: str) -> None:
-    model = tiny_model()
-    input_ids = torch.randint(0, CONFIG["vocab_size"], (1, N_TOKENS), generator=torch.Generator().manual_seed(1))
-    keys, queries = dense_keys_and_queries(model, input_ids)
-    ratio = 0.5  # SnapKV keeps int(48 * 0.5) = 24 per layer and head; PyramidKV its per-layer budgets
-    snap = SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
-    pyramid = PyramidKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL, beta=20)
-    attn = model.model.layers[0].self_attn
-    layer_budget = {}
-    for selectable in (20, 24, 57, 100, 448):  # budgets where kvpress's pyramid is uncapped (q_len large)
-        for beta in (2, 10, 20):
-            press = PyramidKVPress(compression_ratio=1 - selectable / 10_000, window_size=WINDOW, beta=beta)
-            budgets = []
-            for layer in model.model.layers:
-                budgets.append(press.get_layer_budget(layer.self_attn, 10_000))
-            layer_budget[(selectable, beta)] = budgets
-    keydiff = KeyDiffPress()
-    keydiff_scores = [keydiff.score(attn, None, k[None], None, None, {})[0] for k in keys]
+def presses(ratio: float):
+    """(name, beta, press) of every prefill case at this ratio."""
+    yield "snapkv", None, SnapKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL)
+    yield "streaming", None, StreamingLLMPress(compression_ratio=ratio, n_sink=N_SINK)
+    yield "keydiff", None, KeyDiffPress(compression_ratio=ratio)
+    for beta in BETAS:
+        yield "pyramidkv", beta, PyramidKVPress(compression_ratio=ratio, window_size=WINDOW, kernel_size=KERNEL,
+                                                beta=beta)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--arch", choices=tuple(ARCHS), default="llama")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lengths", default="40,64,100", help="prompt lengths n, comma-separated")
+    p.add_argument("--ratios", default="0.25,0.5,0.75", help="compression ratios (n * (1 - r) must be an integer)")
+    args = p.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    ratios = [float(x) for x in args.ratios.split(",")]
+    model = tiny_model(args.arch, args.seed)
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    prompts, cases = {}, []
+    for n in lengths:
+        input_ids = torch.randint(0, CONFIG["vocab_size"], (1, n), generator=generator)
+        keys, queries = dense_keys_and_queries(model, input_ids)
+        prompts[n] = {"keys": keys, "queries": queries}
+        for ratio in ratios:
+            if n * (1 - ratio) != int(n * (1 - ratio)):
+                raise SystemExit(f"--ratios: {n} x (1 - {ratio}) is not an integer")
+            for method, beta, press in presses(ratio):
+                cases.append({"method": method, "n": n, "ratio": ratio, "beta": beta,
+                              "kept": kept_by_press(model, input_ids, press, keys)})
+    decode_ids = torch.randint(0, CONFIG["vocab_size"], (1, lengths[0] + 1), generator=generator)
     torch.save({
-        "config": CONFIG, "window": WINDOW, "kernel_size": KERNEL, "keys": keys, "queries": queries,
-        "snapkv_kept": kept_by_press(model, input_ids, snap, keys),
-        "pyramidkv_kept": kept_by_press(model, input_ids, pyramid, keys),
-        "pyramid_layer_budget": layer_budget, "keydiff_scores": keydiff_scores,
-        "keydiff_kept": kept_by_press(model, input_ids, KeyDiffPress(compression_ratio=ratio), keys),
-    }, path)
+        "arch": args.arch, "config": CONFIG, "window": WINDOW, "kernel_size": KERNEL, "n_sink": N_SINK,
+        "prompts": prompts, "cases": cases, "layer_budget": layer_budget_grid(),
+        "keydiff_decode": keydiff_decode(model, decode_ids, target=lengths[0] // 2),
+    }, args.out)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1:])

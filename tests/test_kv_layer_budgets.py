@@ -17,7 +17,7 @@ from transformers import DynamicCache, Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.backends.logprobs import response_logprobs
 from slime_sparse.kv import (KVCompressConfig, budget_range, compress_indices, layer_budgets, peak_slots, pyramid,
-                             row_capacity, score_layer, should_compress, trigger)
+                             row_capacity, score_layer, select_kept, should_compress, trigger)
 from slime_sparse.kv.record import EvictionRecord, visible_positions
 
 
@@ -50,6 +50,46 @@ def test_layer_budgets_by_schedule():
         layer_budgets(explicit, 2)
     with pytest.raises(ValueError, match="pyramid needs a model of at least 2 layers"):
         layer_budgets(pyr, 1)
+
+
+def test_kvpress_pyramid_by_hand_and_its_range_at_any_depth():
+    """kvpress's rule (the `kvpress` preset), worked by hand from PyramidKVPress.get_layer_budget (test_kv_oracle.py
+    compares with kvpress itself): the issue's example, 4 layers, n = 400, W = 8, beta 20, B = 200."""
+    cfg = KVCompressConfig.from_preset("kvpress", method="pyramidkv", budget=200, window=8)
+    # uncapped: min 200 / 20 = 10, max 400 - 10 = 390, steps 380 / 3; at n = 400 the cap (392) does not bind
+    assert layer_budgets(cfg, 4) == layer_budgets(cfg, 4, [400] * 4) == (390, 263, 137, 10)
+    # n = 300: capped at 292, bottom 400 - 292 = 108; n = 205: capped at 197, below its bottom 203: B everywhere
+    assert layer_budgets(cfg, 4, [300] * 4) == (292, 231, 169, 108)
+    assert layer_budgets(cfg, 4, [205] * 4) == (200,) * 4
+    # kvpress's defaults (window 64, beta 20) at B = 150: the bottom 7.5 < 64, every layer keeps B
+    assert layer_budgets(KVCompressConfig.from_preset("kvpress", method="pyramidkv", budget=150), 4) == (150,) * 4
+    assert KVCompressConfig(method="pyramidkv", budget=200, window=8, pyramid_beta=20.0).preset == "custom"
+    for budget, window, beta in [(200, 8, 20.0), (57, 3, 2.0), (75, 8, 2.0), (150, 64, 20.0), (33, 4, 7.0)]:
+        cfg = KVCompressConfig.from_preset("kvpress", method="pyramidkv", budget=budget, window=window,
+                                           pyramid_beta=beta)
+        low, high = budget_range(cfg)
+        for layers in range(2, 65):
+            budgets = layer_budgets(cfg, layers)
+            assert max(budgets) == high and 0 <= min(budgets) - low <= 1, (budget, layers, budgets)
+            assert list(budgets) == sorted(budgets, reverse=True) and min(budgets) >= window
+
+
+def test_which_slots_are_protected_is_the_presets():
+    """kvpress's KeyDiff and StreamingLLM protect no recent slots; every other method, and those two under any
+    other preset, keep the last `window` (which still sizes the query ring)."""
+    kvpress = {m: KVCompressConfig.from_preset("kvpress", method=m, budget=80) for m in ("keydiff", "streaming",
+                                                                                        "snapkv", "pyramidkv")}
+    assert [c.protected_window for c in kvpress.values()] == [0, 0, 64, 64]
+    assert KVCompressConfig(method="keydiff", budget=80).protected_window == 8
+    assert KVCompressConfig(method="streaming", budget=80).protected_window == 8
+    # no protected window: a budget below the window is fine (StreamingLLM: above the 4 sinks)
+    assert KVCompressConfig.from_preset("kvpress", method="streaming", budget=5).budget == 5
+    with pytest.raises(ValueError, match="--kv-budget=4 is invalid"):
+        KVCompressConfig.from_preset("kvpress", method="streaming", budget=4)
+    scores = torch.arange(10.0).flip(0)[None]  # the oldest slots score highest
+    kept = select_kept(scores, 3, kvpress["keydiff"])
+    assert kept.tolist() == [[0, 1, 2]]  # nothing kept for being recent
+    assert select_kept(scores, 3, KVCompressConfig(method="keydiff", budget=3, window=2)).tolist() == [[0, 8, 9]]
 
 
 @pytest.mark.parametrize("kwargs,flag", [

@@ -61,7 +61,10 @@ def test_shadow_recompute_equals_sampler_logprobs(method, granularity):
     KVCompressConfig(method="rkv", budget=12, buffer=5, window=3, kernel_size=3, budget_schedule="pyramid",
                      pyramid_beta=3.0, granularity="layer"),
     KVCompressConfig(method="h2o", budget=12, buffer=5, window=3, budget_schedule="explicit", layer_budgets=(16, 8)),
-], ids=["pyramidkv", "rkv-pyramid-layer", "h2o-explicit"])
+    # kvpress's pyramid (the window inside it): [20, 4] against ours [18, 6]
+    KVCompressConfig.from_preset("kvpress", method="pyramidkv", budget=12, buffer=5, window=3, kernel_size=3,
+                                 pyramid_beta=3.0),
+], ids=["pyramidkv", "rkv-pyramid-layer", "h2o-explicit", "pyramidkv-kvpress"])
 def test_per_layer_budgets_keep_the_engine_exact(kv):
     """Per-layer budgets (#30) in the embedded engine: each layer holds its own budget, the sampler's log-probs equal
     the masked reference of what each layer held (kv_trace) and the learner's shadow recompute of the record."""
@@ -79,6 +82,35 @@ def test_per_layer_budgets_keep_the_engine_exact(kv):
         ref = masked_reference_logprobs(model, traces[i], out.prompt_ids, out.response_ids, SAMPLE.temperature)
         assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
         assert out.evictions.layer_budgets == budgets or out.evictions.shape[0] == 1
+    tokens = [o.prompt_ids + o.response_ids for o in outs]
+    lens = [len(o.response_ids) for o in outs]
+    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
+    with torch.no_grad():
+        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
+                                      shadow=[o.evictions for o in outs])
+    assert (shadow - sampler).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("method", ["keydiff", "streaming"])
+def test_no_protected_window_keeps_the_engine_exact(method):
+    """kvpress's KeyDiff and StreamingLLM protect no recent slots (the `kvpress` preset): the engine still records
+    exactly what it held, and KeyDiff does evict recent tokens that a protected window would have kept."""
+    from engine_reference import masked_reference_logprobs
+
+    kv = KVCompressConfig.from_preset("kvpress", method=method, budget=12, buffer=5, window=3, kernel_size=3)
+    assert kv.protected_window == 0
+    model = tiny_model()
+    outs, traces = generate(model, kv)
+    recent_dropped = 0
+    for i, out in enumerate(outs):
+        assert out.kv.compressions > 0
+        ref = masked_reference_logprobs(model, traces[i], out.prompt_ids, out.response_ids, SAMPLE.temperature)
+        assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
+        for rec in traces[i]:
+            q = rec.query_positions[-1]
+            recent = torch.arange(max(q - kv.window, 0), q)  # what a protected window keeps before q is written
+            recent_dropped += int((~torch.isin(recent, rec.held_positions)).any())
+    assert (recent_dropped > 0) == (method == "keydiff")
     tokens = [o.prompt_ids + o.response_ids for o in outs]
     lens = [len(o.response_ids) for o in outs]
     sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)

@@ -118,6 +118,15 @@ class KVCompressConfig:
         return self.budget_schedule if self.budget_schedule is not None else self.traits.default_schedule
 
     @property
+    def protected_window(self) -> int:
+        """The last slots every compression keeps unscored: the window, or none where the preset's reference
+        protects none for this method (presets.py `no_window`: kvpress's KeyDiff and StreamingLLM). A rule of the
+        preset rather than a flag or --kv-window 0, because the window also sizes the query ring every engine
+        keeps, and only a reference's definition of a method ever needs the two apart."""
+        preset = PRESETS.get(self.preset)
+        return 0 if preset is not None and self.method in preset.no_window else self.window
+
+    @property
     def sinks(self) -> int:
         if self.n_sink is not None:
             return self.n_sink
@@ -166,7 +175,7 @@ class KVCompressConfig:
                 f"{self.schedule} (use head or layer)")
         if self.preset != "custom" and self.preset not in PRESETS:
             bad("preset", self.preset, f"choose one of {tuple(PRESETS)}")
-        protected = self.window + self.sinks
+        protected = self.protected_window + self.sinks
         if self.enabled and self.schedule == "explicit":
             if min(self.layer_budgets) < protected:  # a layer may keep only its window and sinks (pyramid tops)
                 bad("layer-budgets", self.layer_budgets, f"every budget must be >= window + sinks = {protected}")

@@ -8,9 +8,33 @@ the run's. `--kv-preset NAME` starts from a preset's values and other `--kv-*` f
 Why that default: it is what the Sparse-RL results (arXiv 2601.10079) were produced with, and what this project
 ran before presets existed (max pooling, max over the GQA group, window 8, kernel 7), so the default changes no
 behaviour. kvpress's conventions (average pooling, mean over the GQA group, window 64, kernel 5) select other
-tokens: our SnapKV equals kvpress's head for head only under the `kvpress` preset (tests/test_kv_oracle.py).
+tokens.
 
-Known differences from the references that no knob reproduces (deliberate, one rule for every method):
+Two rules no knob holds are the preset's too (`KVPreset.pyramid`, `KVPreset.no_window`), because they are how the
+reference defines a method rather than a setting of it. Ours, under every other preset: a PyramidKV pyramid spans
+only what a layer selects (the window and sinks stay out of it and every layer adds them), so its mean is exactly
+B and it never needs a fallback (kv/budgets.py); every method keeps the last `window` slots. kvpress's: its
+pyramid spans the whole budget, window included, capped and with a uniform fallback (kv/budgets.py
+`kvpress_layer_budget`), and its KeyDiff and StreamingLLM protect no recent slots (ScorerPress.compress takes the
+top-k over every position).
+
+What equals kvpress 0.5.5 under `kvpress` (tests/test_kv_oracle.py, against kvpress run in its own environment,
+every layer and KV head, several prompt lengths and ratios), with --kv-budget = q_len * (1 - compression_ratio)
+an integer and the prompt compressed by `compress_indices(cfg, keys, queries)`:
+- the kept slots of SnapKV, StreamingLLM (n_sink 4), KeyDiff (prefill, and a DecodingPress compression) and
+  PyramidKV (its per-layer budgets included: pyramid, cap at the cache length minus the window, fallback);
+- PyramidKVPress.get_layer_budget itself, over prompt lengths 40-4096, ratios 0.25-0.875, beta 2-20, windows 8
+  and 64, 4-28 layers.
+What does not:
+- a budget that does not exceed window + sinks is refused (kvpress keeps its top-B slots, the window's among them);
+- the embedded engine fixes a run's per-layer budgets before it sees a prompt (its cache rows are sized by them):
+  kvpress's pyramid without the cap, which binds only when the top layer's budget reaches the cache length minus
+  the window, so on such short caches the engine's budgets are not kvpress's;
+- kvpress compresses once, after prefill (or every `compression_interval` decode steps under DecodingPress); the
+  engines here also compress every --kv-buffer decode tokens (kv/schedule.py), each time scored afresh;
+- ties: kvpress's top-k leaves their order to torch; ours go to the earlier slot (none met in the tests).
+
+Known differences from the other references that no knob reproduces (deliberate, one rule for every method):
 - the fork's SnapKV / PyramidKV normalise the window's softmax over the scored slots only (its
   `fix_obs_window=True`); ours over every slot, causally, as SnapKV's paper and kvpress do (R-KV's importance
   does normalise over the scored slots, as R-KV and the fork);
@@ -30,6 +54,8 @@ class KVPreset:
     reference: str  # where the values were read: repository @ commit, file, line / paper section
     methods: tuple[str, ...]  # the methods the reference implements (a preset for another method is an error)
     values: dict[str, Any] = field(default_factory=dict)  # KVCompressConfig field -> value
+    pyramid: str = "mean"  # PyramidKV's per-layer budgets: "mean" (ours) | "kvpress" (kv/budgets.py)
+    no_window: tuple[str, ...] = ()  # methods whose reference keeps no recent slots unscored (config.protected_window)
 
 
 PRESETS: dict[str, KVPreset] = {
@@ -57,9 +83,13 @@ PRESETS: dict[str, KVPreset] = {
             "NVIDIA kvpress 0.5.5 (PyPI): presses/snapkv_press.py SnapKVPress window_size=64, kernel_size=5, "
             "F.avg_pool1d, scores averaged over the GQA group; presses/pyramidkv_press.py PyramidKVPress beta=20 "
             "(window 64, kernel 5); presses/keydiff_press.py KeyDiffPress (no knobs); presses/streaming_llm_press.py "
-            "StreamingLLMPress n_sink=4"),
+            "StreamingLLMPress n_sink=4; presses/pyramidkv_press.py get_layer_budget (pyramid); "
+            "presses/scorer_press.py ScorerPress.compress, a top-k over every position, which KeyDiffPress and "
+            "StreamingLLMPress use and DecodingPress calls (no_window)"),
         methods=("snapkv", "pyramidkv", "keydiff", "streaming"),
         values=dict(window=64, kernel_size=5, pooling="avg", gqa_reduce="mean", pyramid_beta=20.0),
+        pyramid="kvpress",
+        no_window=("keydiff", "streaming"),
     ),
 }
 

@@ -2,7 +2,8 @@
 
 The methods themselves are classes in `methods/` (one module each: what it scores, its knobs, what it needs);
 the tensor operations they share are in `ops.py`. Shapes and conventions: `ops.py`.
-Sinks and window slots carry +inf (`ops.PROTECTED_SCORE`); selection protects them in any case.
+Sinks and the last `cfg.protected_window` slots (the window, unless the preset protects none) carry +inf
+(`ops.PROTECTED_SCORE`); selection protects them in any case.
 
 Where each method reduces GQA groups (read from the reference code, matched on purpose):
 - rkv: on the attention *logits*, before the softmax, as R-KV's `compute_attention_scores` does (R-KV and the

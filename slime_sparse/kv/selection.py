@@ -28,11 +28,12 @@ def ranking_keys(scores: Tensor) -> Tensor:
 def select_kept(scores: Tensor, budget: int, cfg: KVCompressConfig) -> Tensor:
     """Sorted LongTensor [..., budget] of kept slots, from scores [..., n] (higher = keep).
 
-    Always the first cfg.sinks and the last cfg.window slots, plus the (budget - sinks - window) best-scored
+    Always the first cfg.sinks and the last cfg.protected_window slots (the window, unless the preset protects none),
+    plus the (budget - sinks - window) best-scored
     slots between them; ties go to the earlier slot (`ranking_keys`), so selection is deterministic on every device.
     If n <= budget nothing is dropped: arange(n) for every row. Scores of the middle slots must not be NaN.
     """
-    return _select(scores, budget, cfg.sinks, cfg.window)
+    return _select(scores, budget, cfg.sinks, cfg.protected_window)
 
 
 def _select(scores: Tensor, budget: int, sinks: int, window: int) -> Tensor:
@@ -87,10 +88,11 @@ def choose_slots(cfg: KVCompressConfig, scores: Tensor, budgets: Sequence[int]) 
     if shared_layers:
         scores = scores.mean(dim=0, keepdim=True)
         budgets = budgets[:1]
+    sinks, window = cfg.sinks, cfg.protected_window
     if len(set(budgets)) == 1:
-        return _select(scores, budgets[0], cfg.sinks, cfg.window)
+        return _select(scores, budgets[0], sinks, window)
     width = min(scores.shape[-1], max(budgets))
-    return torch.stack([_pad(_select(s, b, cfg.sinks, cfg.window), width) for s, b in zip(scores, budgets)])
+    return torch.stack([_pad(_select(s, b, sinks, window), width) for s, b in zip(scores, budgets)])
 
 
 def _pad(kept: Tensor, width: int) -> Tensor:
@@ -111,14 +113,15 @@ def compress_indices(
     Lists hold one entry per layer (see `score_layer` for shapes). Leading batch dimensions broadcast: keys
     [..., Hkv, n, d] (e.g. the rows of an engine that compress together, every one holding the same n slots in a
     layer) give kept [..., Hkv, B_l], each entry what it would keep alone. budget: one int for every layer (uniform
-    schedules only), or one per layer; None: `budgets.layer_budgets(cfg, len(keys))`, the run's schedule.
+    schedules only), or one per layer; None: `budgets.layer_budgets(cfg, len(keys), lengths)`, the run's schedule
+    at these cache lengths (kvpress's pyramid caps each layer at its length, as kvpress does at prefill).
     Layers of equal length are scored in one batched call; granularity as in `choose_slots` ('model' needs the same
     n in every layer). A layer holding n <= B_l slots keeps them all ([Hkv, n], arange per head).
     """
     n_layers = len(keys)
     if n_layers == 0:
         raise ValueError("compress_indices needs at least one layer of keys")
-    budgets = _per_layer(cfg, budget, n_layers)
+    budgets = _per_layer(cfg, budget, [k.shape[-2] for k in keys])
     if len(queries) != n_layers:
         raise ValueError(f"got {len(queries)} layers of queries for {n_layers} layers of keys")
     for name, per_layer in (("values", values), ("attn_mass", attn_mass)):
@@ -147,9 +150,10 @@ def compress_indices(
     return out
 
 
-def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, n_layers: int) -> tuple[int, ...]:
+def _per_layer(cfg: KVCompressConfig, budget: int | Sequence[int] | None, lengths: list[int]) -> tuple[int, ...]:
+    n_layers = len(lengths)
     if budget is None:
-        return layer_budgets(cfg, n_layers)
+        return layer_budgets(cfg, n_layers, lengths)
     if isinstance(budget, int):
         if cfg.schedule != "uniform":  # an engine that keeps one budget per row would silently run uniform
             raise ValueError(f"one budget ({budget}) for every layer, but --kv-budget-schedule={cfg.schedule}: pass "

@@ -26,7 +26,8 @@ def knob(default: Any, help: str) -> Any:
 
 # Knobs several methods share, declared once.
 def window_knob() -> Any:
-    return knob(8, "observation window: the last `window` queries score, the last `window` tokens are always kept")
+    return knob(8, "observation window: the last `window` queries score, the last `window` tokens are always kept (not "
+                   "under --kv-preset kvpress for keydiff and streaming, which kvpress protects none of)")
 
 
 def kernel_knob() -> Any:
@@ -73,7 +74,7 @@ class KVMethod:
     sinks: int = 0  # the run's (--kv-n-sink, else default_sinks): filled in by `from_config`
 
     def __post_init__(self) -> None:
-        if self.window < 1:
+        if self.window < (1 if self.needs_queries else 0):
             raise bad_knob("window", self.window, "must be >= 1")
 
     @classmethod
@@ -83,8 +84,12 @@ class KVMethod:
 
     @classmethod
     def from_config(cls, cfg: Any) -> "KVMethod":
-        """The method with its knobs read from a run's KV config (any object with those attributes)."""
-        return cls(**{f.name: getattr(cfg, f.name) for f in cls.knobs()}, sinks=cfg.sinks)
+        """The method with its knobs read from a run's KV config (`KVCompressConfig`); its window is the one the run
+        protects (`cfg.protected_window`: none for a method whose preset's reference protects none)."""
+        knobs = {f.name: getattr(cfg, f.name) for f in cls.knobs()}
+        if cfg.method == cls.name:
+            knobs["window"] = cfg.protected_window
+        return cls(**knobs, sinks=cfg.sinks)
 
     def score(self, keys: Tensor, queries: Tensor, attn_mass: Tensor | None = None) -> Tensor:
         """Scores of every slot: keys [..., Hkv, n, d], queries [..., Hq, w, d] (w <= window), attn_mass
