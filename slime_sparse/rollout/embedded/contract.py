@@ -13,7 +13,8 @@ The engine forks no model code. It relies on this surface of transformers' Qwen2
   the cache);
 - RoPE takes explicit `position_ids` (the engine's logical positions: keys are never re-rotated after eviction);
 - a `Cache` subclass may be built with `layers=[]` and keep its own tensors;
-- the model sets `_supports_attention_backend` (the engine refuses models that do not).
+- the model sets `_supports_attention_backend` (`check_model`, which the engine runs on every model it is given,
+  refuses models that do not, and models with other than full attention layers).
 
     python -m slime_sparse.rollout.embedded.contract      # the installed transformers: one line per assumption
 """
@@ -68,6 +69,32 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 AttentionInterface.register("slime_sparse_contract_probe", _probe_attention)
+
+
+def check_model(model: torch.nn.Module) -> None:
+    """The engine relies on full attention dispatched through transformers' AttentionInterface."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not getattr(model, "_supports_attention_backend", False):
+        raise ValueError(
+            f"{type(model).__name__} is not supported: the engine needs a transformers causal LM whose attention "
+            "uses the AttentionInterface (Qwen2/Qwen2.5, Llama, ...)"
+        )
+    layer_types = getattr(cfg, "layer_types", None) or []
+    other = sorted({t for t in layer_types if t != "full_attention"})
+    if other:
+        raise ValueError(f"{cfg.model_type}: layer types {other} are not supported (full attention only)")
+    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
+        if getattr(cfg, name, None) is None:
+            raise ValueError(f"{cfg.model_type}: config has no {name}")
+
+
+def eos_ids(model: torch.nn.Module) -> set[int]:
+    """EOS ids from the generation config (what generate() stops on), else from the model config."""
+    for cfg in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is not None:
+            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return set()
 
 
 def tiny_model(architecture: str) -> torch.nn.Module:

@@ -31,10 +31,12 @@ from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
 from .attention import budget_attention_installed
+from .contract import check_model, eos_ids
 from .runner import ModelRunner, RunnerShape, row_bytes
-from .scheduler import GenerateStats, Scheduler
+from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
+from .table import GenerateStats
 
 LONG_PROMPT_POLICIES = ("error", "skip")
 __all__ = ["EmbeddedEngine", "GenerateStats"]
@@ -103,7 +105,7 @@ class EmbeddedEngine:
         self.step_mode = step_mode
         self.readback_interval = readback_interval
         self.model = _load_model(model_or_path, self.device, dtype)
-        _check_model(self.model)
+        check_model(self.model)
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.fp32_lm_head = fp32_lm_head
         self.max_batch_size = max_batch_size
@@ -208,7 +210,7 @@ class EmbeddedEngine:
         stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
         captures = runner.captures
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), capacity,
-                  set(params.stop_token_ids) | (set() if params.ignore_eos else _eos_ids(self.model)), context,
+                  set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
                   self._weight_version, stats, self.kv_trace).run(outputs)
         stats.captures = runner.captures - captures
 
@@ -274,15 +276,6 @@ class EmbeddedEngine:
         return accepted
 
 
-def _eos_ids(model: nn.Module) -> set[int]:
-    """EOS ids from the generation config (what generate() stops on), else from the model config."""
-    for cfg in (getattr(model, "generation_config", None), model.config):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is not None:
-            return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
-    return set()
-
-
 def _load_model(
     model_or_path: nn.Module | str | os.PathLike, device: torch.device, dtype: torch.dtype | None
 ) -> nn.Module:
@@ -296,20 +289,3 @@ def _load_model(
         model = model_or_path
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device=device)
     return model.eval()
-
-
-def _check_model(model: nn.Module) -> None:
-    """The engine relies on full attention dispatched through transformers' AttentionInterface."""
-    cfg = getattr(model, "config", None)
-    if cfg is None or not getattr(model, "_supports_attention_backend", False):
-        raise ValueError(
-            f"{type(model).__name__} is not supported: the engine needs a transformers causal LM whose attention "
-            "uses the AttentionInterface (Qwen2/Qwen2.5, Llama, ...)"
-        )
-    layer_types = getattr(cfg, "layer_types", None) or []
-    other = sorted({t for t in layer_types if t != "full_attention"})
-    if other:
-        raise ValueError(f"{cfg.model_type}: layer types {other} are not supported (full attention only)")
-    for name in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings"):
-        if getattr(cfg, name, None) is None:
-            raise ValueError(f"{cfg.model_type}: config has no {name}")
