@@ -70,15 +70,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
 # Each suite fits the time budget written next to it on an idle 2-core machine (1 thread, fp32).
 SUITES: dict[str, list[str]] = {
     "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
-    # one H100 / H200, bf16 (tools/gpu_checks.sh, with --hf-max-new 128): the targets of #28 at batch 64 first,
-    # then batch 256; each row prints as it completes, so a time limit still leaves the first ones
-    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024",
-            "qwen2.5-1.5b:256:128:128", "qwen2.5-1.5b:256:128:1024", "qwen2.5-1.5b:256:128:4096"],
+    # one H100 / H200, bf16 (tools/gpu_checks.sh, with --hf-max-new 128 --long-repeats 1 --long-warmup-new 640): the
+    # targets of #33 in the order they print, about 4 minutes on an H200 by the wave-3 rates: batch 64 at 128 new tokens
+    # (HF, dense, R-KV at a tight 64 + 32: ~20 s), then batch 256 at 4096 (dense vs R-KV 512 + 128: ~90 s); the
+    # same-KV-memory rows (GPU_SAME_KV, 8 GiB: ~100 s) print before them
+    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:128@64+32", "qwen2.5-1.5b:256:128:4096"],
+    "gpu-extra": ["qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024", "qwen2.5-1.5b:256:128:128",
+                  "qwen2.5-1.5b:256:128:1024"],
     "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
     "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
              "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],
 }
-SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128)}  # (budgets, buffer)
+GPU_SAME_KV = ["qwen2.5-1.5b:1:128:4096"]  # the same-KV-memory row of #33 (the batch is what fits)
+SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128),
+            "gpu-extra": ([512], 128)}  # (budgets, buffer)
 
 
 @dataclass(frozen=True)
@@ -88,15 +93,20 @@ class RowSpec:
     prompt_len: int
     new_tokens: int
     n_samples: int = 1
+    kv: tuple[int, int] | None = None  # (budget, buffer) of this row's compressions instead of --budgets / --buffer
 
     @classmethod
     def parse(cls, text: str) -> "RowSpec":
-        parts = text.split(":")
+        shape, _, kv = text.partition("@")
         try:
-            model, *nums = parts
-            spec = cls(model, *(int(x) for x in nums))
+            model, *nums = shape.split(":")
+            budget_buffer = tuple(int(x) for x in kv.split("+")) if kv else None
+            if budget_buffer is not None and len(budget_buffer) != 2:
+                raise ValueError
+            spec = cls(model, *(int(x) for x in nums), kv=budget_buffer)
         except (TypeError, ValueError):
-            raise SystemExit(f"--rows {text!r}: expected MODEL:BATCH:PROMPT:NEW[:N] with integers") from None
+            raise SystemExit(f"--rows {text!r}: expected MODEL:BATCH:PROMPT:NEW[:N][@BUDGET+BUFFER] with integers"
+                             ) from None
         if min(spec.batch, spec.prompt_len, spec.new_tokens, spec.n_samples) < 1 or spec.batch % spec.n_samples:
             raise SystemExit(f"--rows {text!r}: sizes must be >= 1 and N must divide BATCH")
         return spec
@@ -130,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per row (medians reported)")
     p.add_argument("--long-repeats", type=int, default=1, help="repetitions for rows of >= 2048 new tokens")
+    p.add_argument("--long-warmup-new", type=int, default=10**9,
+                   help="new tokens of the warm-up of our engines on rows of >= 2048 new tokens (default: the row's)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     p.add_argument("--hf-max-new", type=int, default=None,
                    help="run HF generate() only on rows of at most this many new tokens (it is the slow baseline)")
@@ -141,8 +153,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "compression, by the engine's own allocation (one slot row per sequence), and the tok/s of "
                         "each at that memory (the engine admitting as many rows as fit): the headline table")
     p.add_argument("--same-kv-max-prompts", type=int, default=512,
-                   help="at most this many prompts in a same-KV-memory run (the most compressed config's fit)")
+                   help="at most this many prompts in a same-KV-memory run (each config decodes one wave of its fit)")
+    p.add_argument("--same-kv-warmup-new", type=int, default=None,
+                   help="new tokens of the warm-up call of a same-KV-memory run (default: the row's)")
+    p.add_argument("--same-kv-rows", nargs="+", default=None, metavar="ROW",
+                   help="rows of the same-KV-memory tables (MODEL:BATCH:PROMPT:NEW[@B+BUFFER]; BATCH unused: what fits "
+                        "decodes); default: the suite's rows (--suite gpu: GPU_SAME_KV)")
     p.add_argument("--same-kv-only", action="store_true", help="only the same-KV-memory tables (no per-batch rows)")
+    p.add_argument("--same-kv-fit-only", action="store_true",
+                   help="of the same-KV-memory tables, only the arithmetic one (what fits; no model is run)")
     p.add_argument("--count-ops", action="store_true",
                    help="also count the operations dispatched per decode step and per compaction (dense vs each "
                         "compression, after vs before): the number a GPU's time follows")
@@ -156,10 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(with --threads 1; meaningless on GPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.rows_given = bool(args.rows)
     if args.rows and (args.suite or args.quick):
         p.error("give either --rows or a suite (--suite / --quick)")
     suite = "quick" if args.quick else (args.suite or "full")
     args.rows = [RowSpec.parse(r) for r in (args.rows or SUITES[suite])]
+    args.same_kv_rows = [RowSpec.parse(r) for r in args.same_kv_rows] if args.same_kv_rows else (
+        [RowSpec.parse(r) for r in GPU_SAME_KV] if suite == "gpu" and not args.rows_given else args.rows)
     args.budgets = args.budgets or SUITE_KV[suite][0]
     args.buffer = args.buffer or SUITE_KV[suite][1]
     args.model_dirs = {}
@@ -355,16 +377,22 @@ def _timed(fn, device: str):
     return wrapper
 
 
+def compressions(row: RowSpec, args) -> list[KVCompressConfig]:
+    """The row's compressed configs: each --methods at each --budgets with --buffer, or at the row's own @B+BUFFER."""
+    pairs = [row.kv] if row.kv else [(budget, args.buffer) for budget in args.budgets]
+    return [KVCompressConfig(method=method, budget=budget, buffer=buffer, window=args.window)
+            for method in args.methods for budget, buffer in pairs]
+
+
 def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[Engine]:
     dense_kv = kv_bytes_per_token(model) * row.batch * (row.prompt_len + row.new_tokens)
     dense_ok = dense_kv <= args.max_kv_gib * 2**30
     if not dense_ok:
         print(f"# {row}: dense engines skipped (dense KV {dense_kv / 2**30:.1f} GiB > --max-kv-gib)")
     kvs = [KVCompressConfig()] if dense_ok else []
-    for method in args.methods:
-        for budget in args.budgets:
-            if budget + args.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
-                kvs.append(KVCompressConfig(method=method, budget=budget, buffer=args.buffer, window=args.window))
+    for kv in compressions(row, args):
+        if kv.budget + kv.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
+            kvs.append(kv)
     run_hf = dense_ok and not args.no_hf and (args.hf_max_new is None or row.new_tokens <= args.hf_max_new)
     out = [Engine("hf", KVCompressConfig(), hf_engine(model, args.device))] if run_hf else []
     for kv in kvs:
@@ -419,9 +447,11 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
     prompts = make_prompts(row, model.config.vocab_size, args.seed)
     engines = engines_for(row, model, args, before)
     # warm-up at the row's full length: one-off costs (allocator, lazy imports, kernel plans per KV length, our CUDA
-    # graphs of every span) stay out of the timings, for HF as for ours
+    # graphs of every span) stay out of the timings, for HF as for ours. Rows of >= 2048 new tokens (HF never runs
+    # them on GPU: --hf-max-new) warm up at --long-warmup-new: graphs of longer spans are captured in the timed call
+    long = row.new_tokens >= 2048
     for eng in engines:
-        eng.run(prompts, row.new_tokens)
+        eng.run(prompts, min(args.long_warmup_new, row.new_tokens) if long and eng.label != "hf" else row.new_tokens)
     repeats = args.long_repeats if row.new_tokens >= 2048 else args.repeats
     if any(e.label == "hf" for e in engines):
         repeats = max(3, repeats) | 1  # the HF baseline: a median of an odd number >= 3
@@ -446,38 +476,37 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
 # ---------------------------------------------------------------------------------------------------------------
 # Same KV memory, measured: each engine given the same KV GiB decodes as many sequences at once as fit
 # ---------------------------------------------------------------------------------------------------------------
-SAME_KV_RUN_HEADER = ("| model | prompt | new | KV GiB | KV | sequences at once | prompts | tok/s | x dense | compress % "
-                      "| captures (2nd call) |\n" + "|---" * 11 + "|")
+SAME_KV_RUN_HEADER = ("| model | prompt | new | KV GiB | KV | sequences that fit | prompts (one wave) | tok/s | x dense "
+                      "| compress % | graphs captured in the timed call |\n" + "|---" * 11 + "|")
 
 
 def same_kv_measured(row: RowSpec, args) -> list[str]:
-    """tok/s of this checkout's engine at --same-kv-gib of KV memory, dense vs each compression: the engine admits as
-    many rows as fit for its KV config (`kv_cache_gib`). The batch is what the most compressed config fits (at most
-    --same-kv-max-prompts), so it decodes all at once while dense runs in waves: compression as concurrency."""
-    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
-                        seed=args.seed, model_dirs=args.model_dirs)
-    configs = [KVCompressConfig()] + [KVCompressConfig(method=m, budget=b, buffer=args.buffer, window=args.window)
-                                      for m in args.methods for b in args.budgets]
-    runs = [our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
-            for kv in configs]
+    """tok/s of this checkout's engine at --same-kv-gib of KV memory, dense vs each compression: each engine admits as
+    many rows as fit for its KV config (`kv_cache_gib`) and decodes one full wave of that many prompts (at most
+    --same-kv-max-prompts), the steady state of a long rollout at that memory: compression as concurrency.
+    Warm-up: a call of --same-kv-warmup-new tokens (default: the row's length); graphs of longer spans are captured
+    during the timed call (the captures column counts them)."""
     from slime_sparse.kv import row_capacity
 
-    fits = [run.engine.max_rows(kv, row_capacity(kv, row.prompt_len + row.new_tokens)) for run, kv in zip(runs, configs)]
-    batch = min(max(fits), args.same_kv_max_prompts)
-    prompts = make_prompts(RowSpec(row.model, batch, row.prompt_len, row.new_tokens), model.config.vocab_size,
-                           args.seed)
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
     lines, dense = [], None
-    for kv, run in zip(configs, runs):
-        run(prompts, row.new_tokens)  # warm-up: graphs captured, allocator warm
+    for kv in [KVCompressConfig()] + compressions(row, args):
+        run = our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
+        fit = run.engine.max_rows(kv, row_capacity(kv, row.prompt_len + row.new_tokens))
+        prompts = make_prompts(RowSpec(row.model, min(fit, args.same_kv_max_prompts), row.prompt_len,
+                                       row.new_tokens), model.config.vocab_size, args.seed)
+        run(prompts, min(args.same_kv_warmup_new or row.new_tokens, row.new_tokens))
         res = median_result([run(prompts, row.new_tokens) for _ in range(args.long_repeats)])
-        dense = dense or res
+        tps = len(prompts) * row.new_tokens / res.seconds
+        dense = dense or tps
         name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
         compress = f"{100 * res.compress_s / res.seconds:.1f}" if kv.enabled else "-"
         lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | "
-                     f"{res.rows} | {batch} | {batch * row.new_tokens / res.seconds:.1f} | "
-                     f"{dense.seconds / res.seconds:.2f} | {compress} | {res.captures} |")
+                     f"{fit} | {len(prompts)} | {tps:.1f} | {tps / dense:.2f} | {compress} | {res.captures} |")
         print(lines[-1], flush=True)
-    del model, runs
+        del run
+    del model
     return lines
 
 
@@ -542,22 +571,18 @@ SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per seque
 
 
 def same_kv_rows(row: RowSpec, args) -> list[str]:
-    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression: the slots an
-    engine row allocates per sequence (`kv.row_capacity`; tests/test_memory_plan.py checks the engine allocates
-    exactly that) times the bytes per slot. A compressed sequence holds budget + buffer slots whatever its length,
-    so the ratio grows with the length."""
+    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression, by the engine's
+    own allocation (`runner.row_bytes`: keys, values, positions, query ring, attention mass of `kv.row_capacity`
+    slots). A compressed sequence holds budget + buffer slots whatever its length, so the ratio grows with the length."""
     from slime_sparse.kv import row_capacity
+    from slime_sparse.rollout.embedded.runner import row_bytes
 
     cfg = model_config(row.model, args)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * DTYPES[args.dtype].itemsize
     longest = row.prompt_len + row.new_tokens
-    configs = [KVCompressConfig()] + [KVCompressConfig(method=m, budget=b, buffer=args.buffer, window=args.window)
-                                      for m in args.methods for b in args.budgets]
     lines, dense_fit = [], None
-    for kv in configs:
+    for kv in [KVCompressConfig()] + compressions(row, args):
         slots = row_capacity(kv, longest)
-        fit = int(args.same_kv_gib * 2**30 // (slots * per_slot))
+        fit = int(args.same_kv_gib * 2**30 // row_bytes(cfg, kv, slots, DTYPES[args.dtype]))
         dense_fit = fit if dense_fit is None else dense_fit
         name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
         lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | {slots} | "
@@ -595,11 +620,12 @@ def main(argv: list[str] | None = None) -> list[str]:
         lines = []
         if args.same_kv_gib:  # first, so that a time limit on the rows below cannot lose it
             print("Same KV memory: sequences that fit\n" + SAME_KV_HEADER)
-            for row in args.rows:
+            for row in args.same_kv_rows:
                 lines += same_kv_rows(row, args)
-            print("\nSame KV memory: throughput\n" + SAME_KV_RUN_HEADER)
-            for row in args.rows:
-                lines += same_kv_measured(row, args)
+            if not args.same_kv_fit_only:
+                print("\nSame KV memory: throughput\n" + SAME_KV_RUN_HEADER)
+                for row in args.same_kv_rows:
+                    lines += same_kv_measured(row, args)
             print()
         if args.count_ops:
             print("Operations dispatched\n" + OPS_HEADER)
