@@ -486,14 +486,12 @@ def same_kv_measured(row: RowSpec, args) -> list[str]:
     --same-kv-max-prompts), the steady state of a long rollout at that memory: compression as concurrency.
     Warm-up: a call of --same-kv-warmup-new tokens (default: the row's length); graphs of longer spans are captured
     during the timed call (the captures column counts them)."""
-    from slime_sparse.kv import row_capacity
-
     model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
                         seed=args.seed, model_dirs=args.model_dirs)
     lines, dense = [], None
     for kv in [KVCompressConfig()] + compressions(row, args):
         run = our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
-        fit = run.engine.max_rows(kv, row_capacity(kv, row.prompt_len + row.new_tokens))
+        fit = run.engine.rows_for(kv, row.prompt_len + row.new_tokens)
         prompts = make_prompts(RowSpec(row.model, min(fit, args.same_kv_max_prompts), row.prompt_len,
                                        row.new_tokens), model.config.vocab_size, args.seed)
         run(prompts, min(args.same_kv_warmup_new or row.new_tokens, row.new_tokens))

@@ -64,9 +64,9 @@ def test_compression_turns_kv_memory_into_concurrency():
     gib = 8 * row_bytes(m.config, KVCompressConfig(), row_capacity(KVCompressConfig(), longest), torch.float32) / 2**30
     dense = EmbeddedEngine(m, max_batch_size=None, kv_cache_gib=gib)
     sparse = EmbeddedEngine(m, RKV, max_batch_size=None, kv_cache_gib=gib)
-    assert dense.max_rows(KVCompressConfig(), row_capacity(KVCompressConfig(), longest)) == 8
+    assert dense.rows_for(KVCompressConfig(), longest) == 8
     # 51 slots dense against 16 compressed (plus the query ring): about three times the rows
-    assert sparse.max_rows(RKV, row_capacity(RKV, longest)) >= 20
+    assert sparse.rows_for(RKV, longest) >= 20
 
 
 def test_bad_memory_settings_name_the_flag():

@@ -205,34 +205,39 @@ class EmbeddedEngine:
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
-        capacity = row_capacity(kv, longest)  # every layer holds that many before the first compression
-        runner = self._runner_for(kv, capacity, len(sequences))
-        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
-        captures = runner.captures
-        Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), capacity,
-                  set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace).run(outputs)
-        stats.captures = runner.captures - captures
-
-    def _runner_for(self, kv: KVCompressConfig, capacity: int, sequences: int) -> ModelRunner:
-        """The runner of the last call if it fits this one, else a new one (the old one freed first). With graphs,
-        capacity is rounded up to the span granularity, so that calls of similar lengths share one runner."""
-        mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
-        context = self.model.config.max_position_embeddings
-        if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):  # graphs read spans in these steps anyway
-            capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, context)
-        rows = self.max_rows(kv, capacity)
-        shape = RunnerShape(kv, min(rows, sequences), capacity, mode, self.readback_interval)
+        shape = self._runner_shape(kv, longest, len(sequences))
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            budgets = layer_budgets(kv, self.model.config.num_hidden_layers) if kv.enabled else (kv.budget,)
-            self._runner = ModelRunner(self.model, shape, tuple(budgets), self.device, self._logits)
-        return self._runner
+            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits)
+        runner = self._runner
+        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
+        captures = runner.captures
+        # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
+        Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
+                  set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
+                  self._weight_version, stats, self.kv_trace).run(outputs)
+        stats.captures = runner.captures - captures
+
+    def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int) -> RunnerShape:
+        """What a call of `sequences` sequences of at most `longest` tokens needs: the runner of the last call serves
+        it if it holds that much. With graphs, capacity is rounded up to the span granularity (graphs read spans of
+        that granularity anyway), so that calls of similar lengths share one runner."""
+        mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
+        capacity = row_capacity(kv, longest)
+        if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):
+            capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, self.model.config.max_position_embeddings)
+        return RunnerShape(kv, min(self.max_rows(kv, capacity), sequences), capacity, mode, self.readback_interval)
+
+    def rows_for(self, kv: KVCompressConfig, longest: int) -> int:
+        """Sequences of at most `longest` tokens this engine decodes at once under `kv`: --rollout-max-batch-size, or
+        what fits in --rollout-kv-cache-gib (the smaller of the two)."""
+        return self._runner_shape(kv, longest, 2**62).rows
 
     def max_rows(self, kv: KVCompressConfig, capacity: int) -> int:
-        """Sequences decoded at once at most: max_batch_size, or what fits in kv_cache_gib (the smaller of the two)."""
+        """Rows of `capacity` slots this engine allocates at most: max_batch_size, or what fits in kv_cache_gib (the
+        smaller of the two)."""
         if self.kv_cache_gib is None:
             return self.max_batch_size
         fit = int(self.kv_cache_gib * 2**30) // row_bytes(self.model.config, kv, capacity, self.model.dtype)
