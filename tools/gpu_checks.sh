@@ -16,7 +16,7 @@
 #
 # Every step runs under its own timeout (seconds, the second argument of `step`), logs to OUT/<step>.log and records
 # its exit code and wall time in OUT/steps.tsv (a skipped step: why, in a fifth column); a failed or timed-out step
-# (exit 124) does not stop the others. The timeouts add up to 460 s; the figures of every step end up in one table
+# (exit 124) does not stop the others. The timeouts add up to 550 s; the figures of every step end up in one table
 # (tools/gpu_summary.py, OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,12 +56,13 @@ SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 130 python3 -m py
   tests/test_gpu_exactness.py tests/test_gpu_engine.py tests/test_megatron_kernels.py \
   tests/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
 
-# 3. ---- rollout benchmark: the embedded engine on CUDA (CUDA graphs, bf16), dense vs R-KV 512 + 128, against HF
-#    generate (at 128 new tokens only: it is the slow baseline). The targets of #28 first (batch 64: tok/s, x HF,
-#    R-KV at 4k new tokens x our dense, compression %), then batch 256; the same-KV-memory table prints first (it is
-#    arithmetic). Rows print as they finish, so a timeout still leaves the first ones.
-step rollout_bench 150 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 1 \
-  --long-repeats 1 --suite gpu --hf-max-new 128 --same-kv-gib 16
+# 3. ---- rollout benchmark: the embedded engine on CUDA (CUDA graphs, bf16), the targets of #33 in print order: the
+#    same KV memory (8 GiB, 128 + 4096 tokens: tok/s of dense vs R-KV 512 + 128, each decoding one wave of as many
+#    sequences as fit, ~100 s), batch 64 at 128 new tokens (warm HF, dense, R-KV at 64 + 32, ~20 s), batch 256 at
+#    4096 (dense vs R-KV, ~90 s; warm-up at 640 tokens, later span graphs captured in the timed call). Rows print as
+#    they finish, so a timeout still leaves the first ones. benchmarks/rollout_bench.py --suite gpu-extra: the rest.
+step rollout_bench 240 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 3 \
+  --long-repeats 1 --long-warmup-new 640 --suite gpu --hf-max-new 128 --same-kv-gib 8 --same-kv-warmup-new 640
 # ---- end of the rollout benchmark step ----
 
 # 4. Megatron learner: DDP + distributed optimizer + schedules, fusions as probed (layouts 2x1 and 1x2 with 2 GPUs),
