@@ -16,7 +16,7 @@
 #
 # Every step runs under its own timeout (seconds, the second argument of `step`), logs to OUT/<step>.log and records
 # its exit code and wall time in OUT/steps.tsv (a skipped step: why, in a fifth column); a failed or timed-out step
-# (exit 124) does not stop the others. The timeouts add up to 550 s; the figures of every step end up in one table
+# (exit 124) does not stop the others. The timeouts add up to 480 s; the figures of every step end up in one table
 # (tools/gpu_summary.py, OUT/summary.txt).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +52,7 @@ EOF'
 
 # 2. the tests marked gpu: exactness on CUDA (fp32 and bf16, both LM-head settings; figures to gpu_report.jsonl), the
 #    CUDA-graph decode step; CUDA RNG checkpoints; the Megatron kernel probe on a real GPU
-SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 130 python3 -m pytest -q -p no:cacheprovider -m "" -rs \
+SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 110 python3 -m pytest -q -p no:cacheprovider -m "" -rs \
   tests/test_gpu_exactness.py tests/test_gpu_engine.py tests/test_megatron_kernels.py \
   tests/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
 
@@ -61,7 +61,7 @@ SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 130 python3 -m py
 #    sequences as fit, ~100 s), batch 64 at 128 new tokens (warm HF, dense, R-KV at 64 + 32, ~20 s), batch 256 at
 #    4096 (dense vs R-KV, ~90 s; warm-up at 640 tokens, later span graphs captured in the timed call). Rows print as
 #    they finish, so a timeout still leaves the first ones. benchmarks/rollout_bench.py --suite gpu-extra: the rest.
-step rollout_bench 240 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 3 \
+step rollout_bench 220 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 3 \
   --long-repeats 1 --long-warmup-new 640 --suite gpu --hf-max-new 128 --same-kv-gib 8 --same-kv-warmup-new 640
 # ---- end of the rollout benchmark step ----
 
@@ -70,8 +70,8 @@ step rollout_bench 240 python3 benchmarks/rollout_bench.py --device cuda --dtype
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 LAYOUTS="1x1"; [ "$GPUS" -ge 2 ] && LAYOUTS="1x1 2x1 1x2"
 # shellcheck disable=SC2086
-step megatron_smoke 90 python3 examples/megatron/smoke_train.py --layouts $LAYOUTS --bf16 --steps 5
-step megatron_fp32_head 60 python3 examples/megatron/smoke_train.py --layouts 1x1 --bf16 --steps 3 --enable-fp32-lm-head
+step megatron_smoke 80 python3 examples/megatron/smoke_train.py --layouts $LAYOUTS --bf16 --steps 5
+step megatron_fp32_head 40 python3 examples/megatron/smoke_train.py --layouts 1x1 --bf16 --steps 3 --enable-fp32-lm-head
 
 # 5. SGLang plugin inside live servers (parity with the unpatched server, no leak, CUDA graphs, weight update)
 if python3 -c "import sglang" 2>/dev/null; then
