@@ -77,3 +77,16 @@ def test_bad_memory_settings_name_the_flag():
         EmbeddedEngine(m, kv_cache_gib=0)
     with pytest.raises(ValueError, match="holds no row"):
         EmbeddedEngine(m, kv_cache_gib=1e-9).generate(prompts(2), PARAMS, seed=0)
+
+
+def test_long_prompts_compress_together_while_prefilling():
+    """Prompts longer than a row's capacity are prefilled in chunks, and the rows that fill up in the same chunk
+    compress in one call (#33: they were compressed one by one)."""
+    engine = EmbeddedEngine(model(), RKV, max_batch_size=8)
+    g = torch.Generator().manual_seed(5)
+    long_prompts = [torch.randint(1, 96, (60,), generator=g).tolist() for _ in range(8)]
+    engine.generate(long_prompts, SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True), seed=0)
+    stats = engine.last_stats
+    # 60 tokens through a 16-slot row: chunks of 16, then 4 at a time after each cut to 12, all 8 rows in step
+    assert stats.compressions >= 8 * 10
+    assert stats.compaction_calls * 8 == stats.compressions
