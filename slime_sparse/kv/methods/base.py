@@ -4,7 +4,23 @@ granularity (per head / layer / model) and the schedule (when to compress) are s
 elsewhere in `slime_sparse.kv`.
 
 A method is registered by name (`@register`); the config, the CLI's choices, the presets and both engines read the
-registry, so adding a method is one module in this package plus its test.
+registry, so adding a method is one module in this package plus its test:
+
+    @register
+    @dataclass(frozen=True)
+    class MyPress(KVMethod):
+        """What it keeps and why (paper, reference code)."""
+        name = "mypress"
+        needs_queries = True          # what it asks of the engine (class attributes below)
+        gqa_reduce: str = gqa_knob()  # its knobs: dataclass fields
+
+        def score(self, keys, queries, attn_mass=None):   # [..., Hkv, n, d] -> [..., Hkv, n], batched
+            ...
+            return with_protected(scores[..., : scored_length(self.window, n)], n, self.sinks)
+
+and an import line in `methods/__init__.py` (the registry's order is the CLI's). A knob no registered method has yet
+is also one field of `KVCompressConfig` (`method_knob("name")`: its flag, YAML key and checkpoint field), since
+flags are typed fields of the run config.
 """
 from __future__ import annotations
 
