@@ -9,7 +9,7 @@ registry, so adding a method is one module in this package plus its test:
     @register
     @dataclass(frozen=True)
     class MyPress(KVMethod):
-        """What it keeps and why (paper, reference code)."""
+        # docstring: what it keeps and why (paper, reference code)
         name = "mypress"
         needs_queries = True          # what it asks of the engine (class attributes below)
         gqa_reduce: str = gqa_knob()  # its knobs: dataclass fields
