@@ -70,15 +70,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
 # Each suite fits the time budget written next to it on an idle 2-core machine (1 thread, fp32).
 SUITES: dict[str, list[str]] = {
     "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
-    # one H100 / H200, bf16 (tools/gpu_checks.sh, with --hf-max-new 128): the targets of #28 at batch 64 first,
-    # then batch 256; each row prints as it completes, so a time limit still leaves the first ones
-    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024",
-            "qwen2.5-1.5b:256:128:128", "qwen2.5-1.5b:256:128:1024", "qwen2.5-1.5b:256:128:4096"],
+    # one H100 / H200, bf16 (tools/gpu_checks.sh, with --hf-max-new 128 --long-repeats 1 --long-warmup-new 640): the
+    # targets of #33 in the order they print, about 4 minutes on an H200 by the wave-3 rates: batch 64 at 128 new tokens
+    # (HF, dense, R-KV at a tight 64 + 32: ~20 s), then batch 256 at 4096 (dense vs R-KV 512 + 128: ~90 s); the
+    # same-KV-memory rows (GPU_SAME_KV, 8 GiB: ~100 s) print before them
+    "gpu": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:64:128:128@64+32", "qwen2.5-1.5b:256:128:4096"],
+    "gpu-extra": ["qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024", "qwen2.5-1.5b:256:128:128",
+                  "qwen2.5-1.5b:256:128:1024"],
     "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
     "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
              "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],
 }
-SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128)}  # (budgets, buffer)
+GPU_SAME_KV = ["qwen2.5-1.5b:1:128:4096"]  # the same-KV-memory row of #33 (the batch is what fits)
+SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128),
+            "gpu-extra": ([512], 128)}  # (budgets, buffer)
 
 
 @dataclass(frozen=True)
@@ -88,15 +93,20 @@ class RowSpec:
     prompt_len: int
     new_tokens: int
     n_samples: int = 1
+    kv: tuple[int, int] | None = None  # (budget, buffer) of this row's compressions instead of --budgets / --buffer
 
     @classmethod
     def parse(cls, text: str) -> "RowSpec":
-        parts = text.split(":")
+        shape, _, kv = text.partition("@")
         try:
-            model, *nums = parts
-            spec = cls(model, *(int(x) for x in nums))
+            model, *nums = shape.split(":")
+            budget_buffer = tuple(int(x) for x in kv.split("+")) if kv else None
+            if budget_buffer is not None and len(budget_buffer) != 2:
+                raise ValueError
+            spec = cls(model, *(int(x) for x in nums), kv=budget_buffer)
         except (TypeError, ValueError):
-            raise SystemExit(f"--rows {text!r}: expected MODEL:BATCH:PROMPT:NEW[:N] with integers") from None
+            raise SystemExit(f"--rows {text!r}: expected MODEL:BATCH:PROMPT:NEW[:N][@BUDGET+BUFFER] with integers"
+                             ) from None
         if min(spec.batch, spec.prompt_len, spec.new_tokens, spec.n_samples) < 1 or spec.batch % spec.n_samples:
             raise SystemExit(f"--rows {text!r}: sizes must be >= 1 and N must divide BATCH")
         return spec
@@ -113,6 +123,8 @@ class Result:
     compress_s: float = 0.0
     prefill_saved: int = 0
     tokens: list[list[int]] = field(default_factory=list)
+    rows: int = 0  # sequences decoded at once (the engine's cache rows)
+    captures: int = 0  # CUDA graphs captured during the call (0 once warm)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -128,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions per row (medians reported)")
     p.add_argument("--long-repeats", type=int, default=1, help="repetitions for rows of >= 2048 new tokens")
+    p.add_argument("--long-warmup-new", type=int, default=10**9,
+                   help="new tokens of the warm-up of our engines on rows of >= 2048 new tokens (default: the row's)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate() baseline")
     p.add_argument("--hf-max-new", type=int, default=None,
                    help="run HF generate() only on rows of at most this many new tokens (it is the slow baseline)")
@@ -136,7 +150,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "`after` is the engine's default mode on the device)")
     p.add_argument("--same-kv-gib", type=float, default=None,
                    help="also print how many sequences of each row fit in this much KV memory, dense vs each "
-                        "compression, by the engine's own allocation (one slot row per sequence)")
+                        "compression, by the engine's own allocation (one slot row per sequence), and the tok/s of "
+                        "each at that memory (the engine admitting as many rows as fit): the headline table")
+    p.add_argument("--same-kv-max-prompts", type=int, default=512,
+                   help="at most this many prompts in a same-KV-memory run (each config decodes one wave of its fit)")
+    p.add_argument("--same-kv-warmup-new", type=int, default=None,
+                   help="new tokens of the warm-up call of a same-KV-memory run (default: the row's)")
+    p.add_argument("--same-kv-rows", nargs="+", default=None, metavar="ROW",
+                   help="rows of the same-KV-memory tables (MODEL:BATCH:PROMPT:NEW[@B+BUFFER]; BATCH unused: what fits "
+                        "decodes); default: the suite's rows (--suite gpu: GPU_SAME_KV)")
+    p.add_argument("--same-kv-only", action="store_true", help="only the same-KV-memory tables (no per-batch rows)")
+    p.add_argument("--same-kv-fit-only", action="store_true",
+                   help="of the same-KV-memory tables, only the arithmetic one (what fits; no model is run)")
+    p.add_argument("--count-ops", action="store_true",
+                   help="also count the operations dispatched per decode step and per compaction (dense vs each "
+                        "compression, after vs before): the number a GPU's time follows")
     p.add_argument("--max-kv-gib", type=float, default=3.0, help="skip a dense engine whose KV would exceed this")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -147,10 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(with --threads 1; meaningless on GPU)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.rows_given = bool(args.rows)
     if args.rows and (args.suite or args.quick):
         p.error("give either --rows or a suite (--suite / --quick)")
     suite = "quick" if args.quick else (args.suite or "full")
     args.rows = [RowSpec.parse(r) for r in (args.rows or SUITES[suite])]
+    args.same_kv_rows = [RowSpec.parse(r) for r in args.same_kv_rows] if args.same_kv_rows else (
+        [RowSpec.parse(r) for r in GPU_SAME_KV] if suite == "gpu" and not args.rows_given else args.rows)
     args.budgets = args.budgets or SUITE_KV[suite][0]
     args.buffer = args.buffer or SUITE_KV[suite][1]
     args.model_dirs = {}
@@ -282,16 +313,15 @@ def hf_engine(model, device: str) -> Callable[[list[list[int]], int], Result]:
     return run
 
 
-def our_engine(engine_cls, params_cls, model, kv, args, batch: int, **options) -> Callable[[list[list[int]], int], Result]:
-    """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping the method(s)
-    that compress (with a device sync, so the time is the compression's own on GPU too). `options`: engine keyword
-    arguments (step_mode)."""
+def our_engine(engine_cls, params_cls, model, kv, args, batch: int | None, **options
+               ) -> Callable[[list[list[int]], int], Result]:
+    """An EmbeddedEngine (this checkout's or --before's) with its compression timed by wrapping what compresses
+    (`COMPRESS_TARGETS`, with a device sync, so the time is the compression's own on GPU too). `options`: engine keyword
+    arguments (step_mode, kv_cache_gib); batch None: as many rows as kv_cache_gib holds."""
     engine = engine_cls(model, kv, max_batch_size=batch, device=args.device, **options)
-    module = sys.modules[engine_cls.__module__]
-    for cls in (getattr(module, "_Run", None), engine_cls):
-        for name in COMPRESS_METHODS:
-            if cls is not None and name in vars(cls) and not hasattr(vars(cls)[name], "__wrapped__"):
-                setattr(cls, name, _timed(vars(cls)[name], args.device))
+    for cls, name in compress_targets(engine_cls):
+        if not hasattr(vars(cls)[name], "__wrapped__"):
+            setattr(cls, name, _timed(vars(cls)[name], args.device))
 
     def run(prompts: list[list[int]], n_new: int) -> Result:
         params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
@@ -305,13 +335,32 @@ def our_engine(engine_cls, params_cls, model, kv, args, batch: int, **options) -
         stats = getattr(engine, "last_stats", None)
         return Result(seconds, engine.last_kv_cache_bytes, sum(o.kv.kept_kv_tokens for o in outs),
                       stats.forwards if stats else n_new, COMPRESS_TIMER["s"],
-                      stats.prefill_tokens_saved if stats else 0, [o.response_ids for o in outs])
+                      stats.prefill_tokens_saved if stats else 0, [o.response_ids for o in outs],
+                      getattr(stats, "rows", batch or 0), getattr(stats, "captures", 0))
+    run.engine = engine
     return run
 
 
-COMPRESS_METHODS = ("_compress", "_compress_rows")  # what compresses, in the engines of any commit we compare
+# What compresses, in the engines of any commit we compare: (module of the engine's package, class, method).
+COMPRESS_TARGETS = (("compressor", "Compressor", "__call__"), ("engine", "_Run", "_compress_rows"))
+STEP_TARGETS = (("step", "DecodeStep", "run"),)
 COMPRESS_TIMER = {"s": 0.0}  # engines run one at a time: one timer, reset by each call
 CLOCK = time.perf_counter  # main() sets --clock
+
+
+def compress_targets(engine_cls, targets=COMPRESS_TARGETS) -> list[tuple[type, str]]:
+    """The (class, method name) pairs of `targets` that exist in the package of `engine_cls`."""
+    package = engine_cls.__module__.rsplit(".", 1)[0]
+    found = []
+    for module_name, cls_name, method in targets:
+        try:
+            module = importlib.import_module(f"{package}.{module_name}")
+        except ImportError:
+            continue
+        cls = getattr(module, cls_name, None)
+        if cls is not None and method in vars(cls):
+            found.append((cls, method))
+    return found
 
 
 def _timed(fn, device: str):
@@ -328,16 +377,22 @@ def _timed(fn, device: str):
     return wrapper
 
 
+def compressions(row: RowSpec, args) -> list[KVCompressConfig]:
+    """The row's compressed configs: each --methods at each --budgets with --buffer, or at the row's own @B+BUFFER."""
+    pairs = [row.kv] if row.kv else [(budget, args.buffer) for budget in args.budgets]
+    return [KVCompressConfig(method=method, budget=budget, buffer=buffer, window=args.window)
+            for method in args.methods for budget, buffer in pairs]
+
+
 def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[Engine]:
     dense_kv = kv_bytes_per_token(model) * row.batch * (row.prompt_len + row.new_tokens)
     dense_ok = dense_kv <= args.max_kv_gib * 2**30
     if not dense_ok:
         print(f"# {row}: dense engines skipped (dense KV {dense_kv / 2**30:.1f} GiB > --max-kv-gib)")
     kvs = [KVCompressConfig()] if dense_ok else []
-    for method in args.methods:
-        for budget in args.budgets:
-            if budget + args.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
-                kvs.append(KVCompressConfig(method=method, budget=budget, buffer=args.buffer, window=args.window))
+    for kv in compressions(row, args):
+        if kv.budget + kv.buffer < row.prompt_len + row.new_tokens:  # else the cache never fills: = dense
+            kvs.append(kv)
     run_hf = dense_ok and not args.no_hf and (args.hf_max_new is None or row.new_tokens <= args.hf_max_new)
     out = [Engine("hf", KVCompressConfig(), hf_engine(model, args.device))] if run_hf else []
     for kv in kvs:
@@ -366,8 +421,8 @@ HEADER = ("| model | batch | prompt | new | engine | KV | tok/s | x hf | x befor
 
 def median_result(results: list[Result]) -> Result:
     mid = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
-    return Result(statistics.median(r.seconds for r in results), mid.kv_bytes, mid.kv_read_tokens, mid.forwards,
-                  statistics.median(r.compress_s for r in results), mid.prefill_saved, mid.tokens)
+    return dataclasses.replace(mid, seconds=statistics.median(r.seconds for r in results),
+                               compress_s=statistics.median(r.compress_s for r in results))
 
 
 def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before: Result | None,
@@ -391,9 +446,15 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
                         seed=args.seed, model_dirs=args.model_dirs)
     prompts = make_prompts(row, model.config.vocab_size, args.seed)
     engines = engines_for(row, model, args, before)
-    for eng in engines:  # warm-up: one-off costs (allocator, lazy imports, first kernels) stay out of the timings
-        eng.run(prompts, 4)
+    # warm-up at the row's full length: one-off costs (allocator, lazy imports, kernel plans per KV length, our CUDA
+    # graphs of every span) stay out of the timings, for HF as for ours. Rows of >= 2048 new tokens (HF never runs
+    # them on GPU: --hf-max-new) warm up at --long-warmup-new: graphs of longer spans are captured in the timed call
+    long = row.new_tokens >= 2048
+    for eng in engines:
+        eng.run(prompts, min(args.long_warmup_new, row.new_tokens) if long and eng.label != "hf" else row.new_tokens)
     repeats = args.long_repeats if row.new_tokens >= 2048 else args.repeats
+    if any(e.label == "hf" for e in engines):
+        repeats = max(3, repeats) | 1  # the HF baseline: a median of an odd number >= 3
     results: list[list[Result]] = [[] for _ in engines]
     for _ in range(repeats):  # interleaved: every engine sees the same share of the machine's load
         for i, eng in enumerate(engines):
@@ -412,27 +473,114 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
     return lines
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Same KV memory, measured: each engine given the same KV GiB decodes as many sequences at once as fit
+# ---------------------------------------------------------------------------------------------------------------
+SAME_KV_RUN_HEADER = ("| model | prompt | new | KV GiB | KV | sequences that fit | prompts (one wave) | tok/s | x dense "
+                      "| compress % | graphs captured in the timed call |\n" + "|---" * 11 + "|")
+
+
+def same_kv_measured(row: RowSpec, args) -> list[str]:
+    """tok/s of this checkout's engine at --same-kv-gib of KV memory, dense vs each compression: each engine admits as
+    many rows as fit for its KV config (`kv_cache_gib`) and decodes one full wave of that many prompts (at most
+    --same-kv-max-prompts), the steady state of a long rollout at that memory: compression as concurrency.
+    Warm-up: a call of --same-kv-warmup-new tokens (default: the row's length); graphs of longer spans are captured
+    during the timed call (the captures column counts them)."""
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
+    lines, dense = [], None
+    for kv in [KVCompressConfig()] + compressions(row, args):
+        run = our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
+        fit = run.engine.rows_for(kv, row.prompt_len + row.new_tokens)
+        prompts = make_prompts(RowSpec(row.model, min(fit, args.same_kv_max_prompts), row.prompt_len,
+                                       row.new_tokens), model.config.vocab_size, args.seed)
+        run(prompts, min(args.same_kv_warmup_new or row.new_tokens, row.new_tokens))
+        res = median_result([run(prompts, row.new_tokens) for _ in range(args.long_repeats)])
+        tps = len(prompts) * row.new_tokens / res.seconds
+        dense = dense or tps
+        name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
+        compress = f"{100 * res.compress_s / res.seconds:.1f}" if kv.enabled else "-"
+        lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | "
+                     f"{fit} | {len(prompts)} | {tps:.1f} | {tps / dense:.2f} | {compress} | {res.captures} |")
+        print(lines[-1], flush=True)
+        del run
+    del model
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Eager operations per decode step and per compaction: what a GPU's time follows (one kernel launch per op)
+# ---------------------------------------------------------------------------------------------------------------
+OPS_HEADER = ("| model | batch | engine | KV | ops / decode step | syncs / decode step | compactions | rows / compaction "
+              "| ops / compaction | syncs / compaction |\n" + "|---" * 10 + "|")
+
+
+def op_count_rows(row: RowSpec, args, before: ModuleType | None) -> list[str]:
+    """Counts the operations PyTorch dispatches inside the decode step and inside each compaction call (dense vs each
+    compression, this checkout and --before), on one generate() of the row."""
+    from slime_sparse.utils.op_audit import OpCounter
+
+    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
+                        seed=args.seed, model_dirs=args.model_dirs)
+    prompts = make_prompts(row, model.config.vocab_size, args.seed)
+    lines = []
+    for eng in engines_for(row, model, args, before):
+        if eng.label == "hf":
+            continue
+        engine = eng.run.engine
+        counters = {"step": OpCounter(), "compress": OpCounter()}
+        calls = {"step": 0, "compress": 0, "rows": 0}
+        wrapped = []
+        for phase, targets in (("step", STEP_TARGETS), ("compress", COMPRESS_TARGETS)):
+            for cls, name in compress_targets(type(engine), targets):
+                original = vars(cls)[name]
+                wrapped.append((cls, name, original))
+                setattr(cls, name, _counted(original, counters[phase], calls, phase))
+        try:
+            eng.run(prompts, row.new_tokens)
+        finally:
+            for cls, name, original in wrapped:
+                setattr(cls, name, original)
+        per = lambda phase, what: f"{what / max(calls[phase], 1):.0f}"  # noqa: E731
+        step, comp = counters["step"], counters["compress"]
+        lines.append(f"| {row.model} | {row.batch} | {eng.label} | {eng.kv_name} | {per('step', step.total)} | "
+                     f"{per('step', step.syncs)} | {calls['compress']} | "
+                     f"{calls['rows'] / max(calls['compress'], 1):.1f} | {per('compress', comp.total)} | "
+                     f"{per('compress', comp.syncs)} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def _counted(fn, counter, calls: dict, phase: str):
+    """fn run under `counter` (nested calls of the same phase are not counted twice)."""
+    def wrapper(*a, **k):
+        calls[phase] += 1
+        if phase == "compress":
+            rows = a[1] if len(a) > 1 else k.get("rows", [])
+            calls["rows"] += len(rows)
+        with counter:
+            return fn(*a, **k)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
 SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per sequence | sequences that fit | x dense |\n"
                   + "|---" * 8 + "|")
 
 
 def same_kv_rows(row: RowSpec, args) -> list[str]:
-    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression: the slots an
-    engine row allocates per sequence (`kv.row_capacity`; tests/test_memory_plan.py checks the engine allocates
-    exactly that) times the bytes per slot. A compressed sequence holds budget + buffer slots whatever its length,
-    so the ratio grows with the length."""
+    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression, by the engine's
+    own allocation (`runner.row_bytes`: keys, values, positions, query ring, attention mass of `kv.row_capacity`
+    slots). A compressed sequence holds budget + buffer slots whatever its length, so the ratio grows with the length."""
     from slime_sparse.kv import row_capacity
+    from slime_sparse.rollout.embedded.runner import row_bytes
 
     cfg = model_config(row.model, args)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    per_slot = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * DTYPES[args.dtype].itemsize
     longest = row.prompt_len + row.new_tokens
-    configs = [KVCompressConfig()] + [KVCompressConfig(method=m, budget=b, buffer=args.buffer, window=args.window)
-                                      for m in args.methods for b in args.budgets]
     lines, dense_fit = [], None
-    for kv in configs:
+    for kv in [KVCompressConfig()] + compressions(row, args):
         slots = row_capacity(kv, longest)
-        fit = int(args.same_kv_gib * 2**30 // (slots * per_slot))
+        fit = int(args.same_kv_gib * 2**30 // row_bytes(cfg, kv, slots, DTYPES[args.dtype]))
         dense_fit = fit if dense_fit is None else dense_fit
         name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
         lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | {slots} | "
@@ -468,14 +616,24 @@ def main(argv: list[str] | None = None) -> list[str]:
               f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
               f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
         lines = []
-        if args.same_kv_gib:  # arithmetic: first, so that a time limit on the rows below cannot lose it
+        if args.same_kv_gib:  # first, so that a time limit on the rows below cannot lose it
             print("Same KV memory: sequences that fit\n" + SAME_KV_HEADER)
-            for row in args.rows:
+            for row in args.same_kv_rows:
                 lines += same_kv_rows(row, args)
+            if not args.same_kv_fit_only:
+                print("\nSame KV memory: throughput\n" + SAME_KV_RUN_HEADER)
+                for row in args.same_kv_rows:
+                    lines += same_kv_measured(row, args)
             print()
-        print(HEADER)
-        for row in args.rows:
-            lines += run_row(row, args, before, bandwidth)
+        if args.count_ops:
+            print("Operations dispatched\n" + OPS_HEADER)
+            for row in args.rows:
+                lines += op_count_rows(row, args, before)
+            print()
+        if not args.same_kv_only:
+            print(HEADER)
+            for row in args.rows:
+                lines += run_row(row, args, before, bandwidth)
         print(f"# load average at the end {os.getloadavg()[0]:.1f}")
         return lines
     finally:

@@ -101,6 +101,7 @@ class EngineSpec:
     bf16: bool
     fp32_lm_head: bool  # --enable-fp32-lm-head: the learner's head arithmetic (SGLang servers get the flag)
     max_batch_size: int  # sequences decoded at once (embedded)
+    kv_cache_gib: float | None  # KV memory the embedded engine fills with as many rows as fit (at most max_batch_size)
     cuda_graph: bool  # decode steps in CUDA graphs on a CUDA device (embedded)
     max_prompt_len: int | None  # longer prompts are an error (embedded)
     sglang: SGLangEngineConfig  # the servers (sglang), model_path set to model_dir
@@ -113,7 +114,8 @@ class EngineSpec:
         return cls(
             kind=cfg.rollout.engine, kv=cfg.kv, model_dir=model_dir, device=cfg.train.device, bf16=cfg.train.bf16,
             fp32_lm_head=cfg.train.enable_fp32_lm_head,
-            max_batch_size=cfg.rollout.max_batch_size, cuda_graph=cfg.rollout.cuda_graph,
+            max_batch_size=cfg.rollout.max_batch_size, kv_cache_gib=cfg.rollout.kv_cache_gib,
+            cuda_graph=cfg.rollout.cuda_graph,
             max_prompt_len=cfg.data.max_prompt_len,
             sglang=dataclasses.replace(
                 cfg.sglang, model_path=model_dir,
@@ -133,7 +135,7 @@ def build_engine(spec: EngineSpec):
     model = load_model(spec.model_dir, device, _dtype(spec.bf16))
     return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
                           max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager",
-                          fp32_lm_head=spec.fp32_lm_head)
+                          fp32_lm_head=spec.fp32_lm_head, kv_cache_gib=spec.kv_cache_gib)
 
 
 def _sglang_engine(spec: EngineSpec):

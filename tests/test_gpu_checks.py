@@ -32,7 +32,7 @@ def test_every_step_has_an_explicit_timeout_and_the_run_fits_eight_minutes():
     names = [name for name, _ in calls]
     assert {"env", "gpu_tests", "rollout_bench", "megatron_smoke", "train_tiny", "train_tiny_megatron",
             "rl_step_bench"} <= set(names)
-    assert int(dict(calls)["rl_step_bench"]) <= 150 and int(dict(calls)["rollout_bench"]) == 150
+    assert int(dict(calls)["rl_step_bench"]) <= 150 and int(dict(calls)["rollout_bench"]) <= 240
     assert all(limit.isdigit() for _, limit in calls), calls
     sglang = {"sglang_contract", "sglang_smoke"}  # only where SGLang imports, never on the device image
     assert sum(int(limit) for name, limit in calls if name not in sglang) <= 480

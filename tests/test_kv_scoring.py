@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slime_sparse.kv import KVCompressConfig, compress_indices, score_layer
-from slime_sparse.kv.scoring import newest_duplicate
+from slime_sparse.kv.methods.rkv import newest_duplicate
 
 # --------------------------------------------------------------------------------------------------------------
 # Independent reference (lists of python floats)

@@ -13,7 +13,7 @@ import torch
 from engine_reference import masked_reference_logprobs, traced_engine
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import slime_sparse.rollout.embedded.engine as engine_module
+import slime_sparse.rollout.embedded.runner as runner_module
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
@@ -69,7 +69,7 @@ def test_padding_rows_and_late_readback_are_inert(kv, monkeypatch):
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(stop,), ignore_eos=True)
     reference = EmbeddedEngine(model, kv, max_batch_size=4).generate(PROMPTS, params, seed=4)
     assert any(o.finish_reason == "stop" for o in reference) and any(o.finish_reason == "length" for o in reference)
-    monkeypatch.setattr(engine_module, "decode_shapes", lambda mode, rows: decode_shapes("cuda_graph", rows))
+    monkeypatch.setattr(runner_module, "decode_shapes", lambda mode, rows: decode_shapes("cuda_graph", rows))
     padded = EmbeddedEngine(model, kv, max_batch_size=4, readback_interval=5)
     assert_same_outputs(padded.generate(PROMPTS, params, seed=4), reference)
     # the rows that ended unseen kept running (and compressing) for a few steps: the forwards say so

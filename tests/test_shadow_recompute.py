@@ -219,3 +219,55 @@ def test_bad_records_are_rejected():
     model = tiny_model()  # 2 layers
     with pytest.raises(ValueError, match="sample 0: eviction record has 3 layers"):
         response_logprobs(model, [[1, 2, 3, 4, 5, 6]], [2], shadow=[rec])
+
+
+def _oracle_records(model, kv, prompts=PROMPTS):
+    """The engine's outputs, and per sample the records rebuilt by the event-based oracle (`from_events`) from the
+    positions the cache held right after each compaction (read from the cache, not from the keep bits)."""
+    from slime_sparse.rollout.embedded import scheduler as scheduler_module
+
+    events: dict[int, list] = {}
+    original = scheduler_module.Scheduler._compress
+
+    def recording(self, cut, decode=False):
+        original(self, cut, decode)
+        for row, owners in cut:
+            held = self.runner.cache.held_positions(row, self.table.fill[:, row].tolist())
+            for seq in owners:
+                events.setdefault(seq.index, []).append([h.clone() for h in held])
+
+    scheduler_module.Scheduler._compress = recording
+    try:
+        outs = EmbeddedEngine(model, kv, max_batch_size=3).generate(prompts, SAMPLE, seed=7)
+    finally:
+        scheduler_module.Scheduler._compress = original
+    oracles = []
+    for i, out in enumerate(outs):
+        starts = out.evictions.starts.tolist() if out.evictions is not None else []
+        oracles.append(EvictionRecord.from_events(list(zip(starts, events.get(i, [])[: len(starts)]))))
+    return outs, oracles
+
+
+@pytest.mark.parametrize("granularity", GRANULARITIES)
+@pytest.mark.parametrize("method", ["snapkv", "rkv", "streaming", "h2o", "pyramidkv", "keydiff"])
+def test_device_record_equals_the_event_based_oracle(method, granularity):
+    """The keep bits built on the device inside compaction decode to the positions the cache kept, compression by
+    compression, layer by layer and head by head (what `EvictionRecord.from_events` encodes from those positions)."""
+    if method == "pyramidkv" and granularity == "model":
+        pytest.skip("one set for every layer cannot be kept at per-layer budgets (the config refuses it)")
+    model = tiny_model()
+    kv = KVCompressConfig(method=method, budget=12, buffer=5, window=3, kernel_size=3, granularity=granularity)
+    outs, oracles = _oracle_records(model, kv)
+    assert any(o.evictions is not None for o in outs)
+    for out, oracle in zip(outs, oracles):
+        if out.evictions is None:
+            assert oracle is None
+            continue
+        assert torch.equal(out.evictions.starts, oracle.starts)
+        n_layers, n_heads = TINY["num_hidden_layers"], TINY["num_key_value_heads"]
+        for layer in range(n_layers):
+            for e in range(oracle.starts.numel()):
+                mine = out.evictions.kept_by_layer()[min(layer, out.evictions.shape[0] - 1)][e]
+                theirs = oracle.kept_by_layer()[min(layer, oracle.shape[0] - 1)][e]
+                for h in range(n_heads):
+                    assert set(mine[min(h, mine.shape[0] - 1)].tolist()) == set(theirs[min(h, theirs.shape[0] - 1)].tolist())

@@ -21,9 +21,11 @@ import venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the embedded engine against dense attention and HF generate, the data loader, the grader, whole runs
-TESTS = ["tests/test_rollout_cache.py", "tests/test_rollout_embedded.py", "tests/test_data_prompt_dataset.py",
-         "tests/test_reward_math.py", "tests/test_learner.py", "tests/test_train_e2e.py"]
+# the transformers surface the engine uses, the engine against dense attention and HF generate, the data loader,
+# the grader, whole runs
+TESTS = ["tests/test_transformers_contract.py", "tests/test_rollout_cache.py", "tests/test_rollout_embedded.py",
+         "tests/test_data_prompt_dataset.py", "tests/test_reward_math.py", "tests/test_learner.py",
+         "tests/test_train_e2e.py"]
 TEST_TOOLS = ["pytest>=8.0", "pytest-timeout>=2.3"]
 
 

@@ -60,9 +60,13 @@ def bench_figures(log: str) -> list[str]:
             model, batch, prompt, new, engine, kv, tps, x_hf = cells[:8]
             rows.append(f"{model} {batch} x {prompt}+{new} {engine} {kv}: {tps} tok/s (x hf {x_hf}), peak KV "
                         f"{cells[9]} MiB, compress {cells[10]} %")
-        elif len(cells) == 8:  # the same-KV-memory table
+        elif len(cells) == 8:  # the same-KV-memory table: what fits
             model, prompt, new, gib, kv, slots, fit, x_dense = cells
             rows.append(f"{model} {prompt}+{new} in {gib} GiB of KV, {kv}: {fit} sequences (x dense {x_dense})")
+        elif len(cells) == 11:  # the same-KV-memory table: throughput
+            model, prompt, new, gib, kv, fit, prompts, tps, x_dense, compress, captured = cells
+            rows.append(f"{model} {prompt}+{new} in {gib} GiB of KV, {kv}: {tps} tok/s at {prompts} at once "
+                        f"(x dense {x_dense}), compress {compress} %")
     return rows or [line for line in log.splitlines() if "Error" in line][-3:]
 
 

@@ -1,64 +1,55 @@
-"""Configuration of KV-cache compression, shared by every engine (embedded, SGLang), and what each method needs."""
+"""Configuration of KV-cache compression, shared by every engine (embedded, SGLang).
+
+The methods themselves, each with its knobs, its scores and what it needs, are classes in `methods/`; this section
+holds what a run chooses (method, budget, buffer, granularity, budget schedule, preset) plus every method's knobs as
+flat fields, so that the `--kv-*` flags, YAML and saved configs name them as before. The knob fields take their
+default and help from the method that owns them (`method_knob`). The section validates itself once, when built.
+"""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from .methods import REGISTRY, KVMethod
 from .presets import PRESETS, FromPreset, KVPreset
 
 
-@dataclass(frozen=True)
-class MethodTraits:
-    """What a compression method asks of the engine that runs it (scoring.py holds the methods themselves)."""
+class NoCompression(KVMethod):
+    """--kv-method none: a dense cache. Not a registered method (nothing to score); its traits are all off."""
 
-    needs_queries: bool = False  # scores with the last `window` post-RoPE queries of the sequence
-    tracks_mass: bool = False  # scores with the attention mass each slot received over the whole sequence
-    compresses_after_prefill: bool = False  # also cuts the prompt to the budget once it is prefilled (schedule.py)
-    default_sinks: int = 0  # first tokens always kept unless --kv-n-sink says otherwise
-    default_schedule: str = "uniform"  # per-layer budgets unless --kv-budget-schedule says otherwise (budgets.py)
+    name = "none"
 
 
-TRAITS: dict[str, MethodTraits] = {
-    "none": MethodTraits(),
-    "snapkv": MethodTraits(needs_queries=True, compresses_after_prefill=True),  # SnapKV's own use: the prompt
-    "rkv": MethodTraits(needs_queries=True),
-    "streaming": MethodTraits(default_sinks=4),  # 4 sinks + the most recent tokens: positions only
-    "h2o": MethodTraits(tracks_mass=True),  # falls back to the window's queries when the engine tracks no mass
-    # SnapKV's scores under PyramidKV's budgets, shrinking with depth (a prefill method, as SnapKV)
-    "pyramidkv": MethodTraits(needs_queries=True, compresses_after_prefill=True, default_schedule="pyramid"),
-    "keydiff": MethodTraits(),  # keys only: no queries, no attention mass
-}
+TRAITS: dict[str, type[KVMethod]] = {"none": NoCompression, **REGISTRY}  # what each method needs (methods/base.py)
 METHODS = tuple(TRAITS)
-GQA_REDUCTIONS = ("mean", "max")
 GRANULARITIES = ("head", "layer", "model")  # per KV head and layer / one set per layer / one set for all layers
-POOLINGS = ("max", "avg")
 SCHEDULES = ("uniform", "pyramid", "explicit")  # how the budget is spread over layers (budgets.py)
+
+
+def method_knob(name: str):
+    """The config field of a method knob: default and help from the first registered method that owns it."""
+    owner = next(f for cls in REGISTRY.values() for f in cls.knobs() if f.name == name)
+    return field(default=owner.default, metadata=dict(owner.metadata))
 
 
 @dataclass(frozen=True)
 class KVCompressConfig(FromPreset):
     method: str = field(default="none", metadata={"help": (
-        "KV compression of rollouts: none (dense) | snapkv | rkv | streaming | h2o | pyramidkv | keydiff")})
+        "KV compression of rollouts: none (dense) | " + " | ".join(REGISTRY))})
     budget: int = field(default=512, metadata={"help": (
         "B: KV tokens kept per sequence and layer after a compression (the mean over layers under "
         "--kv-budget-schedule pyramid)")})
     buffer: int = field(default=128, metadata={"help": (
         "decode tokens between compressions: the cache cycles between B and B + buffer")})
-    window: int = field(default=8, metadata={"help": (
-        "observation window: the last `window` queries score, the last `window` tokens are always kept (not under "
-        "--kv-preset kvpress for keydiff and streaming, which kvpress protects none of)")})
-    kernel_size: int = field(default=7, metadata={"help": "pooling kernel over token scores (SnapKV, R-KV)"})
-    pooling: str = field(default="max", metadata={"help": "max | avg pooling of token scores"})
-    mix_lambda: float = field(default=0.1, metadata={"help": (
-        "R-KV: score = lambda x importance - (1 - lambda) x redundancy")})
-    sim_threshold: float = field(default=0.5, metadata={"help": (
-        "R-KV: the newest near-duplicate (cosine > threshold) is exempt from redundancy")})
+    window: int = method_knob("window")
+    kernel_size: int = method_knob("kernel_size")
+    pooling: str = method_knob("pooling")
+    mix_lambda: float = method_knob("mix_lambda")
+    sim_threshold: float = method_knob("sim_threshold")
     n_sink: int | None = field(default=None, metadata={"help": (
         "first tokens always kept; unset: the method's (streaming 4, others 0)")})
-    # On the attention logits for rkv (as R-KV, which uses max), on the per-head scores after window sum and
-    # pooling for snapkv / h2o (as kvpress, which uses mean).
-    gqa_reduce: str = field(default="max", metadata={"help": (
-        "max | mean over the query heads of a KV group (max as in R-KV and the authors' SGLang)")})
+    gqa_reduce: str = method_knob("gqa_reduce")
     # See kv/selection.py.
     granularity: str = field(default="head", metadata={"help": (
         "head: each KV head of each layer selects | layer: one set per layer (mean of its heads' scores) | "
@@ -69,9 +60,7 @@ class KVCompressConfig(FromPreset):
     layer_budgets: tuple[int, ...] = field(default=(), metadata={"help": (
         "one budget per layer, first layer first (needs --kv-budget-schedule explicit; --kv-budget is then "
         "unused)")})
-    pyramid_beta: float = field(default=10.0, metadata={"help": (
-        "PyramidKV's beta: the last layer keeps 1/beta of the mean selectable budget (--kv-budget minus window "
-        "and sinks), the first twice that mean minus it")})
+    pyramid_beta: float = method_knob("pyramid_beta")
     preset: str = field(default="", metadata={"help": (
         "sparse-rl-fork | rkv-code | kvpress: the reference implementation whose knob values to start from "
         "(other --kv-* flags override; slime_sparse/kv/presets.py names each source); unset: the knobs as given, "
@@ -87,6 +76,7 @@ class KVCompressConfig(FromPreset):
         if not isinstance(self.layer_budgets, tuple):  # a list from JSON / YAML
             object.__setattr__(self, "layer_budgets", tuple(self.layer_budgets))
         super().__post_init__()
+        self.validate()
 
     def covered_by(self, preset: KVPreset) -> bool:
         return self.method in preset.methods or not self.enabled
@@ -124,8 +114,16 @@ class KVCompressConfig(FromPreset):
         return self.method != "none"
 
     @property
-    def traits(self) -> MethodTraits:
+    def traits(self) -> type[KVMethod]:
+        """What the method needs from an engine (class attributes of its class in `methods/`)."""
         return TRAITS[self.method]
+
+    @property
+    def scorer(self) -> KVMethod:
+        """The method with this config's knobs, built once per config (needs an enabled method)."""
+        if not self.enabled:
+            raise ValueError("--kv-method=none: KV compression is disabled, there is nothing to score")
+        return _scorer(self)
 
     def validate(self, prefix: str = "--kv-") -> None:
         """Raise ValueError naming the offending flag."""
@@ -135,28 +133,18 @@ class KVCompressConfig(FromPreset):
 
         if self.method not in METHODS:
             bad("method", self.method, f"choose one of {METHODS}")
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            bad("gqa-reduce", self.gqa_reduce, f"choose one of {GQA_REDUCTIONS}")
         if self.granularity not in GRANULARITIES:
             bad("granularity", self.granularity, f"choose one of {GRANULARITIES}")
-        if self.pooling not in POOLINGS:
-            bad("pooling", self.pooling, f"choose one of {POOLINGS}")
-        if self.window < 1:
-            bad("window", self.window, "must be >= 1")
         if self.buffer < 1:
             bad("buffer", self.buffer, "must be >= 1")
-        if self.kernel_size < 1 or self.kernel_size % 2 == 0:
-            bad("kernel-size", self.kernel_size, "must be an odd integer >= 1")
-        if not 0.0 <= self.mix_lambda <= 1.0:
-            bad("mix-lambda", self.mix_lambda, "must lie in [0, 1]")
         if self.n_sink is not None and self.n_sink < 0:
             bad("n-sink", self.n_sink, "must be >= 0")
+        for cls in REGISTRY.values():  # every knob's range, whichever method owns it (each checks its own)
+            cls.from_config(self)
         if self.schedule not in SCHEDULES:
             bad("budget-schedule", self.schedule, f"choose one of {SCHEDULES}")
         if (self.schedule == "explicit") != bool(self.layer_budgets):
             bad("layer-budgets", self.layer_budgets, "is set exactly when --kv-budget-schedule is explicit")
-        if self.pyramid_beta < 1:
-            bad("pyramid-beta", self.pyramid_beta, "must be >= 1")
         if self.enabled and self.granularity == "model" and self.schedule != "uniform":
             # one set for all layers cannot be kept at several sizes: after one compression the layers hold
             # different slots, and no single ranking covers them
@@ -170,3 +158,8 @@ class KVCompressConfig(FromPreset):
                 bad("layer-budgets", self.layer_budgets, f"every budget must be >= window + sinks = {protected}")
         elif self.enabled and self.budget <= protected:
             bad("budget", self.budget, f"must exceed window + sinks = {protected}")
+
+
+@functools.lru_cache(maxsize=32)
+def _scorer(cfg: KVCompressConfig) -> KVMethod:
+    return REGISTRY[cfg.method].from_config(cfg)

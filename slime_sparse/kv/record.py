@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,7 +50,9 @@ class EvictionRecord:
 
     @classmethod
     def from_events(cls, events: list[tuple[int, Tensor | Sequence[Tensor]]]) -> "EvictionRecord | None":
-        """From (tokens processed before the compression, kept positions) in order; None if none. Kept positions:
+        """From (tokens processed before the compression, kept positions) in order; None if none. (Engines build their
+        records from keep bits computed on the device, `from_keep_bits`; this is the reference encoding the tests
+        compare them with, and the constructor for positions known on the host.) Kept positions:
         [L, Hkv, B] under one budget, or one [Hkv, k_l] per layer. A layer keeps B_l at every compression but one
         that found fewer slots than that (a prompt shorter than the layer's budget, cut after prefill under per-layer
         budgets: it keeps them all); the keep bits say how many either way."""
@@ -81,6 +84,23 @@ class EvictionRecord:
         return cls(starts=starts, keep_bits=pack_bits(torch.cat(bits)),
                    shape=(len(kept), kept[0][0].shape[0], max(budgets)),
                    budgets=None if len(set(budgets)) == 1 else budgets)
+
+    @classmethod
+    def from_keep_bits(cls, events: Sequence[tuple[int, np.ndarray, int]], shape: tuple[int, int, int],
+                       budgets: tuple[int, ...] | None = None) -> "EvictionRecord | None":
+        """From the bits an engine computed on the device (`keep_bits`, packed by `pack_rows`): per compression in
+        order, (tokens processed before it, its packed bits as a uint8 array, how many bits). shape and budgets as
+        in the record; None if no compression."""
+        if not events:
+            return None
+        starts = torch.tensor([start for start, _, _ in events], dtype=torch.int64)
+        if all(nbits % 8 == 0 for _, _, nbits in events):  # whole bytes: the packed events simply follow each other
+            packed = np.concatenate([packed[: nbits // 8] for _, packed, nbits in events])
+        else:
+            bits = np.concatenate([np.unpackbits(packed, count=nbits, bitorder="little") for _, packed, nbits in events])
+            packed = np.packbits(bits, bitorder="little")
+        return cls(starts=starts, keep_bits=torch.from_numpy(np.ascontiguousarray(packed, dtype=np.uint8)),
+                   shape=shape, budgets=budgets)
 
     def kept_by_layer(self) -> list[Tensor]:
         """Per stored layer, [E, H', B_l] int64: the positions each compression kept. A compression that kept fewer
@@ -153,6 +173,24 @@ def pack_bits(bits: Tensor) -> Tensor:
     padded = torch.zeros((bits.numel() + 7) // 8 * 8, dtype=torch.uint8)
     padded[: bits.numel()] = bits.to(torch.uint8)
     return (padded.view(-1, 8) * _BIT).sum(dim=-1, dtype=torch.uint8)
+
+
+def keep_bits(kept: Tensor, n: int) -> Tensor:
+    """The keep bits of one compression of R rows, on their device: kept [L', R, H', W] slots out of the n each layer
+    held (sorted; repeats allowed) -> [R, L' * H' * n] uint8 0/1 in the record's order (layer, head, slot)."""
+    n_layers, rows, n_heads, _ = kept.shape
+    bits = torch.zeros(n_layers, rows, n_heads, n, dtype=torch.uint8, device=kept.device).scatter_(-1, kept, 1)
+    return bits.permute(1, 0, 2, 3).reshape(rows, -1)
+
+
+def pack_rows(bits: Tensor) -> Tensor:
+    """[R, N] 0/1 -> [R, ceil(N / 8)] uint8 packed as `pack_bits` packs (bit j of a byte worth 2**j), on the bits'
+    device: what an engine copies to the host instead of the bits (8x less)."""
+    rows, n = bits.shape
+    weights = torch.ones(8, dtype=torch.uint8, device=bits.device).bitwise_left_shift(
+        torch.arange(8, dtype=torch.uint8, device=bits.device))
+    padded = torch.nn.functional.pad(bits.to(torch.uint8), (0, (-n) % 8))
+    return (padded.view(rows, -1, 8) * weights).sum(dim=-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: Tensor) -> Tensor:

@@ -190,9 +190,10 @@ class RayRolloutGroup:
     def weight_version(self) -> int:
         return self._version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, *,
-                 kv=None) -> list[GenerationOutput]:
-        """One output per prompt, in order; `kv` overrides the engines' KV config (evaluation)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 index_offset: int = 0, *, kv=None) -> list[GenerationOutput]:
+        """One output per prompt, in order; `kv` overrides the engines' KV config (evaluation); `index_offset` as in
+        `RolloutEngine.generate` (the shards add their own)."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())  # one seed for every shard, like one engine
         if self.cluster.layout.colocate:
@@ -201,7 +202,7 @@ class RayRolloutGroup:
         tasks = {}  # in-flight ref -> (engine index, shard)
         for i, shard in enumerate(split_contiguous(len(prompts), self.num_engines)):
             if shard:
-                tasks[self._submit(i, prompts, shard, params, seed, kv)] = (i, shard)
+                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset)] = (i, shard)
         restarts = 0
         while tasks:
             ready, _ = ray.wait(list(tasks), num_returns=1, timeout=self.timeout_s)
@@ -220,7 +221,7 @@ class RayRolloutGroup:
                 logger.warning("engine %d died mid-rollout (%s): restarting it and re-sending its %d prompts",
                                i, type(exc).__name__, len(shard))
                 self._restart(i)
-                tasks[self._submit(i, prompts, shard, params, seed, kv)] = (i, shard)
+                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset)] = (i, shard)
         if self.cluster.layout.colocate:
             self._on_all("release_memory")
         return outputs  # type: ignore[return-value]
@@ -297,8 +298,9 @@ class RayRolloutGroup:
         return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(
             self.spec, i, self.timeout_s, **self._worker_kwargs[i])
 
-    def _submit(self, i: int, prompts, shard: range, params, seed: int, kv):
-        return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed, shard.start, kv)
+    def _submit(self, i: int, prompts, shard: range, params, seed: int, kv, index_offset: int = 0):
+        return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed,
+                                               index_offset + shard.start, kv)
 
     def _restart(self, i: int) -> None:
         """Replace engine i by a fresh actor in its bundle holding the current weights."""

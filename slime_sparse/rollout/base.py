@@ -9,6 +9,7 @@ from typing import Iterator, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 
@@ -29,16 +30,19 @@ class RolloutEngine(Protocol):
         ...
 
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
+        self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0, *,
+        kv: KVCompressConfig | None = None,
     ) -> list[GenerationOutput]:
         """One output per prompt, in input order. The same seed and inputs give the same outputs.
 
         Each output holds the sampler's log-prob of every response token (see rollout.sampling for the
-        convention) and the KV accounting of its sequence.
+        convention) and the KV accounting of its sequence. `index_offset`: where these prompts sit in a larger
+        call split across engines (sample i draws from the stream of (seed, index_offset + i)); `kv`: generate under
+        this KV config instead of the engine's own (what `with_kv` hands on).
         """
         ...
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         """Load new weights (same names and shapes as the model's state dict) and bump weight_version."""
         ...
 
@@ -47,7 +51,7 @@ class RolloutEngine(Protocol):
         than update_weights (a Ray group: from learner rank 0 to the engine actors, past this process)."""
         ...
 
-    def with_kv(self, kv) -> "KVView":
+    def with_kv(self, kv: KVCompressConfig) -> "KVView":
         """This engine under another KV config (e.g. dense evaluation of a compressing engine), sharing its
         weights and version."""
         ...
@@ -73,9 +77,9 @@ class KVView:
     def weight_version(self) -> int:
         return self.engine.weight_version
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None
-                 ) -> list[GenerationOutput]:
-        return self.engine.generate(prompts, params, seed, kv=self.kv)
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
+                 index_offset: int = 0) -> list[GenerationOutput]:
+        return self.engine.generate(prompts, params, seed, index_offset, kv=self.kv)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int | None = None) -> None:
         self.engine.update_weights(state_dict, version)

@@ -28,7 +28,12 @@ class RolloutConfig:
         "samples of each prompt, the GRPO group (slime's default 1); 8 here, the paper's")})
     engine: str = field(default="embedded", metadata={"help": (
         "embedded (pure PyTorch, in process or a Ray actor) | sglang (patched SGLang servers)")})
-    max_batch_size: int = field(default=64, metadata={"help": "sequences decoded at once per engine"})
+    max_batch_size: int = field(default=64, metadata={"help": (
+        "sequences decoded at once per engine (embedded; with --rollout-kv-cache-gib, at most this many)")})
+    kv_cache_gib: float | None = field(default=None, metadata={"help": (
+        "embedded engine: KV memory for its cache; it decodes as many sequences at once as rows of the KV config's "
+        "size fit (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole sequence), at most "
+        "--rollout-max-batch-size (SGLang's --mem-fraction-static with --max-running-requests)")})
     cuda_graph: bool = field(default=True, metadata={"help": (
         "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
         "--disable-cuda-graph (SGLang's name) runs them eagerly. SGLang servers: --sglang-cuda-graph")})
@@ -79,6 +84,8 @@ class RolloutConfig:
     def validate(self) -> None:
         positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
         non_negative(self, "dynamic_sampling_min_kept_samples")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB of KV memory)")
         choice(self, "engine", ROLLOUT_ENGINES)
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
         if self.n_samples_per_prompt == 1:

@@ -1,31 +1,30 @@
-"""A preallocated, budgeted KV cache that plugs into transformers models as `past_key_values`.
+"""A preallocated, budgeted KV cache that plugs into transformers models as `past_key_values`: device tensors only.
 
-Layout (per layer l, allocated once per generate() call, never grown; S_l = the layer's capacity):
-    key[l], value[l]  [R, Hkv, S_l, d]    post-RoPE keys and values, model dtype
-    positions[l]      [R, Hkv, S_l]       logical position of the token in each slot (int32)
-    queries[l]        [R, Hq, window, d]  ring buffer of the last `window` post-RoPE queries (compression on)
-    mass[l]           [R, Hkv, S_l]       accumulated attention probability per slot (H2O only, float32)
-    fill              [L, R] int64          valid slots of each layer and row (device; `fill_host` mirrors it)
-    seen              [R] int64             queries that went through the ring (device; `seen_host` mirrors it)
-Row r holds one sequence; in layer l its first fill[l, r] slots are valid, in chronological order, the same count
-for every head. Slots past the fill hold stale but finite values and are masked out. A decode step writes at
-min(fill, S_l - 1) and leaves fill at most S_l: a live row always has room (the engine sizes and compresses it so),
+Layout (allocated once per runner, never grown; L layers, R rows, S slots per row and layer):
+    key, value   [L, R, Hkv, S, d]    post-RoPE keys and values, model dtype
+    positions    [L, R, Hkv, S]       logical position of the token in each slot (int32)
+    queries      [L, R, Hq, window, d] ring buffer of the last `window` post-RoPE queries (methods that score with them)
+    mass         [L, R, Hkv, S]       accumulated attention probability per slot (H2O only, float32)
+    fill         [L, R] int64         valid slots of each layer and row
+    seen         [R] int64            queries that went through the ring
+Row r holds one sequence; in layer l its first fill[l, r] slots are valid, in chronological order, the same count for
+every head. Slots past the fill hold stale but finite values and are masked out. A decode step writes at
+min(fill, S - 1) and leaves fill at most S: a live row always has room (the scheduler sizes and compresses it so),
 while a row that holds no live sequence (padding of a captured batch size, a finished row not yet retired) keeps
 overwriting its own last slot, so a fixed-shape step never writes out of bounds and never touches a live row.
 
-The host never reads `fill` or `seen` back: every change to them is one the scheduler decides (a step, an
-admission, a compression), so it applies the same change to its numpy mirrors and plans with those.
+The host never reads `fill` or `seen`: every change to them is one the scheduler decides (a step, an admission, a
+compression), and it keeps its own copy (`scheduler.RowTable`). Every method here is free of host synchronisation and
+of host data (nothing but device tensors and shapes goes in), so decode steps and compactions can be captured.
 
-The model calls `update(k, v, layer_idx)` with the post-RoPE keys of the new tokens; we write them where the
-current step says (`PrefillPlan` or `DecodeView`) and return views over the rows' first `span` slots. The
-attention function in `attention.py` reads its mask from here (`attention_mask`) and records queries and (for
-H2O) attention mass here.
+The model calls `update(k, v, layer_idx)` with the post-RoPE keys of the new tokens; we write them where the current
+step says (`PrefillPlan` or `DecodeView`) and return views over the rows' first `span` slots. The attention function
+in `attention.py` reads its mask from here (`attention_mask`) and records queries and (for H2O) attention mass here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache
@@ -39,66 +38,54 @@ class DecodeView:
 
     n: int
     spans: tuple[int, ...]  # per layer
-    positions: Tensor  # [n] logical position of each row's new token (a view of the engine's decode state)
+    positions: Tensor  # [n] logical position of each row's new token (a view of the decode state)
 
 
 class BudgetKVCache(Cache):
-    def __init__(
-        self,
-        *,
-        num_rows: int,
-        num_kv_heads: int,
-        num_q_heads: int,
-        head_dim: int,
-        capacities: list[int],
-        window: int,
-        record_queries: bool,
-        track_mass: bool,
-        device: torch.device,
-        dtype: torch.dtype,
-        shared_fill: bool = False,
-    ) -> None:
+    def __init__(self, *, num_rows: int, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int,
+                 capacity: int, window: int, record_queries: bool, track_mass: bool, device: torch.device,
+                 dtype: torch.dtype, shared_fill: bool = True) -> None:
         super().__init__(layers=[])  # we keep our own tensors; transformers' per-layer objects are unused
-        self.num_layers = len(capacities)
-        self.capacities = list(capacities)
-        self.window = window
+        self.num_layers, self.num_kv_heads, self.capacity, self.window = num_layers, num_kv_heads, capacity, window
         self.device = device
-
-        def per_layer(shape, dtype_) -> list[Tensor]:
-            return [torch.zeros((num_rows, *shape(cap)), device=device, dtype=dtype_) for cap in capacities]
-
-        self.key = per_layer(lambda cap: (num_kv_heads, cap, head_dim), dtype)
-        self.value = per_layer(lambda cap: (num_kv_heads, cap, head_dim), dtype)
-        self.positions = per_layer(lambda cap: (num_kv_heads, cap), torch.int32)
-        self.queries = per_layer(lambda cap: (num_q_heads, window, head_dim), dtype) if record_queries else None
-        self.mass = per_layer(lambda cap: (num_kv_heads, cap), torch.float32) if track_mass else None
-        self.fill = torch.zeros(self.num_layers, num_rows, dtype=torch.int64, device=device)
+        rows_slots = (num_layers, num_rows, num_kv_heads, capacity)
+        self.key = torch.zeros(*rows_slots, head_dim, device=device, dtype=dtype)
+        self.value = torch.zeros_like(self.key)
+        self.positions = torch.zeros(rows_slots, device=device, dtype=torch.int32)
+        self.queries = (torch.zeros(num_layers, num_rows, num_q_heads, window, head_dim, device=device, dtype=dtype)
+                        if record_queries else None)
+        self.mass = torch.zeros(rows_slots, device=device, dtype=torch.float32) if track_mass else None
+        self.fill = torch.zeros(num_layers, num_rows, dtype=torch.int64, device=device)
         self.seen = torch.zeros(num_rows, dtype=torch.int64, device=device)
-        self.fill_host = np.zeros((self.num_layers, num_rows), dtype=np.int64)
-        self.seen_host = np.zeros(num_rows, dtype=np.int64)
-        self._caps = torch.tensor(capacities, dtype=torch.int64, device=device)[:, None]  # [L, 1]
-        self._caps_host = np.array(capacities, dtype=np.int64)[:, None]
-        self._arange = torch.arange(num_rows, device=device)
-        self._slots = torch.arange(max(capacities), device=device)
-        self.step: PrefillPlan | DecodeView | None = None
-        # one budget for every layer: every layer of a row holds the same fill, so a step's write slots and masks
-        # are the same in every layer and are built once (`_shared`)
+        self._arange_rows = torch.arange(num_rows, device=device)
+        self._slots = torch.arange(capacity, device=device)
+        self._zero = torch.zeros((), device=device)  # a new slot's attention mass: a device value, no host scalar
+        # one budget for every layer: every layer holds the same fill, so a step's masks are built once (`_memoised`)
         self.shared_fill = shared_fill
+        self.step: PrefillPlan | DecodeView | None = None
         self._memo: dict[tuple[str, int], Tensor] = {}
 
     @property
     def num_rows(self) -> int:
         return self.fill.shape[1]
 
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes allocated for keys and values (the KV cache proper)."""
+        return self.key.numel() * self.key.element_size() * 2
+
+    @property
+    def tracks_mass(self) -> bool:
+        return self.mass is not None
+
     # ---- transformers Cache interface (only what Qwen2/Llama use when positions and masks are ours) ----
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """Write the new tokens' keys/values, return [n, Hkv, span, d] views of the rows being run."""
         step = self._current()
-        key, value = self.key[layer_idx], self.value[layer_idx]
+        key, value, positions = self.key[layer_idx], self.value[layer_idx], self.positions[layer_idx]
         if isinstance(step, DecodeView):
-            rows = self._arange[: step.n]
-            slots = self._shared("slots", layer_idx,
-                                 lambda: self.fill[layer_idx, : step.n].clamp(max=self.capacities[layer_idx] - 1))
+            rows = self._arange_rows[: step.n]
+            slots = self._memoised("slots", -1, lambda: self.fill[:, : step.n].clamp(max=self.capacity - 1))[layer_idx]
             new_k, new_v, pos = key_states[:, :, 0], value_states[:, :, 0], step.positions
             first = 0
         else:
@@ -109,19 +96,23 @@ class BudgetKVCache(Cache):
         # Advanced indices on dims 0 and 2 around a slice: both sides are [T, Hkv, d].
         key[rows, :, slots] = new_k
         value[rows, :, slots] = new_v
-        self.positions[layer_idx][rows, :, slots] = pos.to(torch.int32)[:, None]
+        positions[rows, :, slots] = pos.to(torch.int32)[:, None].expand(-1, self.num_kv_heads)
         if self.mass is not None:
-            self.mass[layer_idx][rows, :, slots] = 0.0  # a new slot starts with no attention mass
+            self.mass[layer_idx][rows, :, slots] = self._zero
         span = step.spans[layer_idx]
         return key[first : first + step.n, :, :span], value[first : first + step.n, :, :span]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return int(self.fill_host[layer_idx].max(initial=0))
+        # Some transformers versions derive `cache_position` from it; the engine passes explicit positions and masks,
+        # so nothing reads the result. 0 needs no host read of the device fills.
+        return 0
 
     # ---- hooks for the attention function ----
     def attention_mask(self, layer_idx: int) -> Tensor:
         """[n, 1, C, span] bool: which slots each query of the current step may read (C = 1 when decoding)."""
-        return self._shared("mask", layer_idx, lambda: self._mask(layer_idx))
+        step = self._current()
+        # layers of equal span and fill share one mask per step (every layer, under one budget)
+        return self._memoised("mask", step.spans[layer_idx], lambda: self._mask(layer_idx), layer_idx)
 
     def _mask(self, layer_idx: int) -> Tensor:
         step = self._current()
@@ -134,12 +125,12 @@ class BudgetKVCache(Cache):
         # whole row, so that no softmax row is empty (an all-masked row gives NaN, and NaN * 0 leaks later).
         return (slots[None, None, :] < (fill[:, None] + step.limit)[:, :, None])[:, None]
 
-    def _shared(self, kind: str, layer_idx: int, build) -> Tensor:
-        """`build()` for this layer, or the one built for layer 0 of this step when every layer holds the same fill."""
-        key = (kind, 0 if self.shared_fill else layer_idx)
-        if key not in self._memo:
-            self._memo[key] = build()
-        return self._memo[key]
+    def _memoised(self, kind: str, key: int, build, layer_idx: int | None = None) -> Tensor:
+        """`build()` once per step and key; per layer too when the layers' fills differ (`shared_fill` False)."""
+        memo_key = (kind, key if self.shared_fill or layer_idx is None else (key, layer_idx))
+        if memo_key not in self._memo:
+            self._memo[memo_key] = build()
+        return self._memo[memo_key]
 
     def record_queries(self, layer_idx: int, query: Tensor) -> None:
         """Keep the post-RoPE queries of each row's newest `window` tokens (query: [n, Hq, C, d])."""
@@ -148,21 +139,16 @@ class BudgetKVCache(Cache):
         step = self._current()
         ring = self.queries[layer_idx]
         if isinstance(step, DecodeView):
-            rows = self._arange[: step.n]
-            ring[rows, :, self.seen[: step.n] % self.window] = query[:, :, 0]
+            ring[self._arange_rows[: step.n], :, self.seen[: step.n] % self.window] = query[:, :, 0]
             return
         slots = (self.seen[step.ring_row] + step.ring_offset) % self.window
         ring[step.ring_row, :, slots] = query[step.ring_src[0], :, step.ring_src[1]]
 
-    @property
-    def tracks_mass(self) -> bool:
-        return self.mass is not None
-
     def accumulate_mass(self, layer_idx: int, probs: Tensor) -> None:
         """Add attention probabilities [n, Hkv, group, C, S] of real queries to each slot's mass (H2O).
 
-        Summed over the group's query heads and the chunk's real queries, as H2O accumulates over all queries
-        that attended to a key.
+        Summed over the group's query heads and the chunk's real queries, as H2O accumulates over all queries that
+        attended to a key.
         """
         step = self._current()
         if isinstance(step, DecodeView):
@@ -172,112 +158,85 @@ class BudgetKVCache(Cache):
         self.mass[layer_idx][step.row_start : step.row_start + step.n, :, : probs.shape[-1]] += weighted.sum(dim=(2, 3))
 
     # ---- steps ----
-    def begin_prefill(self, plan: PrefillPlan) -> None:
-        self.step = plan
+    def begin(self, step: PrefillPlan | DecodeView) -> None:
+        self.step = step
         self._memo = {}
 
-    def end_prefill(self, plan: PrefillPlan, chunk_lengths: list[int]) -> None:
-        """After the forward of `plan`: its rows now hold their new tokens."""
+    def end_prefill(self) -> None:
+        """After the forward of the current plan: its rows hold their new tokens."""
+        plan = self._current()
         rows = slice(plan.row_start, plan.row_start + plan.n)
-        lengths = torch.tensor(chunk_lengths, dtype=torch.int64)
-        self.fill[:, rows] += lengths.to(self.device, non_blocking=True)
-        self.seen[rows] += lengths.to(self.device, non_blocking=True)
-        self.fill_host[:, rows] += lengths.numpy()
-        self.seen_host[rows] += lengths.numpy()
+        self.fill[:, rows] += plan.lengths
+        self.seen[rows] += plan.lengths
         self.step = None
-
-    def begin_decode(self, view: DecodeView) -> None:
-        self.step = view
-        self._memo = {}
 
     def end_decode(self) -> None:
         """After a decode step: every row of the step advanced by one slot (a full row stays full)."""
         n = self._current().n
-        self.fill[:, :n] = torch.minimum(self.fill[:, :n] + 1, self._caps)
+        self.fill[:, :n] = (self.fill[:, :n] + 1).clamp(max=self.capacity)
         self.seen[:n] += 1
         self.step = None
 
-    def advance_host(self, n: int) -> None:
-        """The host side of `end_decode`, for rows [0, n)."""
-        np.minimum(self.fill_host[:, :n] + 1, self._caps_host, out=self.fill_host[:, :n])
-        self.seen_host[:n] += 1
-
-    def decode_spans(self, n: int, granularity: int) -> tuple[int, ...]:
-        """Per layer, how many slots a decode step over rows [0, n) must read: the largest fill + 1 (the new token),
-        rounded up to `granularity` (fewer distinct shapes for captured graphs), at most the layer's slots."""
-        need = self.fill_host[:, :n].max(axis=1) + 1
-        spans = -(-need // granularity) * granularity
-        return tuple(int(min(s, cap)) for s, cap in zip(spans, self.capacities))
-
-    # ---- rows ----
+    # ---- rows (eager, between steps; fill_ takes its value as a kernel argument: no host-to-device copy, which from
+    # pageable memory would wait for every queued step) ----
     def reset_row(self, row: int) -> None:
-        self.fill[:, row] = 0
-        self.seen[row] = 0
-        self.fill_host[:, row] = 0
-        self.seen_host[row] = 0
+        self.fill[:, row].fill_(0)
+        self.seen[row].fill_(0)
 
     def park_row(self, row: int) -> None:
         """A row that holds no sequence: full, so that it only ever overwrites its own last slot."""
-        self.fill[:, row] = self._caps[:, 0]
-        self.fill_host[:, row] = self._caps_host[:, 0]
+        self.fill[:, row].fill_(self.capacity)
 
-    def copy_row(self, src: int, dst: int) -> None:
-        """Copy row src into row dst: a prefill shared by the samples of one prompt, or a running row moved into a
-        finished one's place (running sequences stay in rows [0, n))."""
-        for layer in range(self.num_layers):
-            n = int(self.fill_host[layer, src])
-            for t in (self.key, self.value, self.positions, self.mass):
-                if t is not None:
-                    t[layer][dst, :, :n] = t[layer][src, :, :n]
-            if self.queries is not None:
-                self.queries[layer][dst] = self.queries[layer][src]
+    def copy_row(self, src: int, dst: int, held: int) -> None:
+        """Copy row src into row dst (`held`: the most slots src holds in a layer): a prefill shared by the samples of
+        one prompt, or a running row moved into a finished one's place (running sequences stay in rows [0, n))."""
+        for t in (self.key, self.value, self.positions, self.mass):
+            if t is not None:
+                t[:, dst, :, :held] = t[:, src, :, :held]
+        if self.queries is not None:
+            self.queries[:, dst] = self.queries[:, src]
         self.fill[:, dst] = self.fill[:, src]
         self.seen[dst] = self.seen[src]
-        self.fill_host[:, dst] = self.fill_host[:, src]
-        self.seen_host[dst] = self.seen_host[src]
 
-    # ---- compression ----
-    def layer_keys(self, rows: Tensor, layer: int, n: int) -> Tensor:
-        """[R', Hkv, n, d]: the first n slots of `rows` in `layer`."""
-        return self.key[layer][rows, :, :n]
+    # ---- compaction (compressor.py) ----
+    def gather(self, t: Tensor, layers: Tensor | None, rows: Tensor, n: int | None = None) -> Tensor:
+        """[L', R', ...] copy of the first n slots (all, for n None) of `rows` in `layers` (None: every layer) of a
+        cache tensor: one indexing op that copies only what it returns."""
+        if n is not None:
+            t = t[:, :, :, :n]
+        return t[:, rows] if layers is None else t[layers[:, None], rows[None, :]]
 
-    def layer_mass(self, rows: Tensor, layer: int, n: int) -> Tensor | None:
-        return None if self.mass is None else self.mass[layer][rows, :, :n]
-
-    def window_queries(self, rows: Tensor, layer: int, m: int) -> Tensor:
-        """[R', Hq, m, d]: each row's last m queries, oldest first (every row must have seen at least m)."""
+    def window_queries(self, layers: Tensor | None, rows: Tensor, m: int) -> Tensor:
+        """[L', R', Hq, m, d]: each row's last m queries in `layers`, oldest first (every row has seen at least m)."""
         if self.queries is None:
-            raise RuntimeError("this cache does not record queries (compression is off)")
+            raise RuntimeError("this cache does not record queries")
         order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [R', m]
-        ring = self.queries[layer][rows]  # [R', Hq, window, d]
-        return ring.gather(2, order[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[-1]))
+        ring = self.gather(self.queries, layers, rows)  # [L', R', Hq, window, d]
+        return ring.gather(3, order[None, :, None, :, None].expand(ring.shape[0], -1, ring.shape[2], -1, ring.shape[4]))
 
-    def compact(self, rows: Tensor, rows_host: list[int], kept: list[Tensor]) -> None:
-        """Keep slots kept[layer] ([R', Hkv, B_l], sorted) of `rows` (a device tensor; the same rows as `rows_host`)
-        at the front of each row, in every layer."""
-        for layer, idx in enumerate(kept):
-            budget = idx.shape[-1]
-            gather_kv = idx[..., None].expand(*idx.shape, self.key[layer].shape[-1])
-            # gather() materialises the kept slots first, so overwriting the front of the row is safe
-            self.key[layer][rows, :, :budget] = self.key[layer][rows].gather(2, gather_kv)
-            self.value[layer][rows, :, :budget] = self.value[layer][rows].gather(2, gather_kv)
-            self.positions[layer][rows, :, :budget] = self.positions[layer][rows].gather(2, idx)
-            if self.mass is not None:
-                self.mass[layer][rows, :, :budget] = self.mass[layer][rows].gather(2, idx)
-            self.fill[layer, rows] = budget
-            self.fill_host[layer, rows_host] = budget
+    def compact(self, layers: Tensor, rows: Tensor, kept: Tensor, fill_after: Tensor) -> None:
+        """Move slots kept [L', R', H', W] (sorted; L' and H' may be 1: shared by every layer / head) of `layers`
+        (x `rows`) to the front of each row, then set those fills to fill_after [L'']: one gather and one scatter
+        per tensor over the flattened cache, reading and writing only the kept slots."""
+        n_layers, n_rows = layers.shape[0], rows.shape[0]
+        width = kept.shape[-1]
+        heads = torch.arange(self.num_kv_heads, device=self.device)
+        base = ((layers[:, None, None] * self.num_rows + rows[None, :, None]) * self.num_kv_heads + heads) \
+            * self.capacity  # [L', R', Hkv]: flat index of slot 0
+        kept = kept.expand(n_layers, n_rows, self.num_kv_heads, width)
+        src = (base[..., None] + kept).flatten()
+        dst = (base[..., None] + self._slots[:width]).flatten()
+        for t in (self.key, self.value, self.positions, self.mass):
+            if t is not None:
+                flat = t.view(-1, t.shape[-1]) if t.dim() == 5 else t.view(-1)
+                flat.index_copy_(0, dst, flat.index_select(0, src))  # index_select copies first: overlap is safe
+        self.fill[layers[:, None], rows[None, :]] = fill_after[:, None].expand(n_layers, n_rows)
 
-    def held_positions(self, row: int) -> list[Tensor]:
-        """Per layer, [Hkv, fill] logical positions the row holds now (device tensors, copies)."""
-        return [self.positions[layer][row, :, : int(self.fill_host[layer, row])].clone()
-                for layer in range(self.num_layers)]
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values (the KV cache proper)."""
-        return sum(k.numel() * k.element_size() * 2 for k in self.key)
+    def held_positions(self, row: int, fills: list[int]) -> list[Tensor]:
+        """Per layer, [Hkv, fill] logical positions the row holds now (fills: the scheduler's count per layer)."""
+        return [self.positions[layer, row, :, :fill].clone() for layer, fill in enumerate(fills)]
 
     def _current(self) -> PrefillPlan | DecodeView:
         if self.step is None:
-            raise RuntimeError("BudgetKVCache used outside a planned forward (begin_prefill / begin_decode first)")
+            raise RuntimeError("BudgetKVCache used outside a planned forward (begin a prefill or decode step first)")
         return self.step

@@ -33,6 +33,7 @@ class PrefillPlan:
     ring_row: Tensor  # [Q] cache row of those queries
     ring_offset: Tensor  # [Q] their index relative to the row's queries seen (ring slot = (seen + offset) % window)
     query_valid: Tensor  # [n, C] float32: 1 on real columns (H2O counts attention mass of real queries only)
+    lengths: Tensor  # [n] long: each row's chunk length (what its fill and queries seen grow by)
 
 
 def build_plan(
@@ -84,4 +85,5 @@ def build_plan(
         ring_row=dev(ring_b + row_start),
         ring_offset=dev(rel[ring_b, ring_c]),
         query_valid=dev(real.to(torch.float32)),
+        lengths=dev(lengths),
     )

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -19,9 +20,10 @@ class Sequence:
     processed: int = 0  # prompt tokens already run through the model (their keys are, or were, in the cache)
     finish_reason: str | None = None
     prefill_peak: int = 0  # most slots its cache held while the prompt was prefilled
-    # (tokens processed before the compression, kept positions: one [Hkv, B_l] per layer) in order; the decode loop
-    # learns that a sequence ended a few steps late, so compressions after its end may trail here (`output` drops them)
-    evictions: list[tuple[int, list[Tensor]]] = field(default_factory=list)
+    # (tokens processed before the compression, its compaction's packed keep bits, this row's index in them) in order;
+    # the decode loop learns that a sequence ended a few steps late, so compressions after its end may trail here
+    # (`output` drops them)
+    evictions: list[tuple[int, Any, int]] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -39,13 +41,17 @@ class Sequence:
         self.response.append(token)
         self.logprobs.append(logprob)
 
-    def output(self, weight_version: int, kept: list[int], peak: list[int], num_layers: int) -> GenerationOutput:
+    def output(self, weight_version: int, kept: list[int], peak: list[int], num_layers: int,
+               record_shape: tuple[int, int, int] | None = None,
+               record_budgets: tuple[int, ...] | None = None) -> GenerationOutput:
         """kept[t] / peak[t]: slots summed over the layers / in the fullest layer when response token t was sampled
-        (its logits' context). KV stats count slots per layer: the layer mean (exact under one budget)."""
+        (its logits' context). KV stats count slots per layer: the layer mean (exact under one budget).
+        record_shape / record_budgets: the eviction record's (the compressor's)."""
         p, n = len(self.prompt), len(self.response)
         # a compression counts if a later token ran after it: it happened after start tokens were run, and the
         # last token the sequence ran is its (length - 2)-th
-        events = [(start, held) for start, held in self.evictions if start < self.length - 1]
+        events = [(start, packed.bits[i].numpy(), packed.nbits) for start, packed, i in self.evictions
+                  if start < self.length - 1]
         kv = KVStats(
             dense_kv_tokens=n * p + n * (n - 1) // 2,  # token t was sampled from p + t tokens of context
             kept_kv_tokens=round(sum(kept) / num_layers),
@@ -59,7 +65,7 @@ class Sequence:
             finish_reason=self.finish_reason or "length",
             kv=kv,
             weight_version=weight_version,
-            evictions=EvictionRecord.from_events(events),
+            evictions=EvictionRecord.from_keep_bits(events, record_shape, record_budgets) if events else None,
         )
 
 

@@ -1,19 +1,20 @@
 """The decode step: one new token for every row of a batch, at fixed shapes, with no host synchronisation.
 
-Everything a step reads or writes lives in device tensors at fixed addresses: the engine's `DecodeState` (the token
+Everything a step reads or writes lives in device tensors at fixed addresses: the runner's `DecodeState` (the token
 each row runs next, its logical position, its random stream key and counter, the output columns of the current
 readback window) and the cache (`BudgetKVCache`: keys, values, fills, query ring). A step runs rows [0, n) for a
 padded row count n, reads each layer's first `spans[l]` slots, samples with the counter-based stream
 (`sampling.sample_tokens`) and advances the state in place. Nothing in it depends on a value on the device, so the
 same function runs eagerly, under torch.compile(fullgraph=True) (the proof: a graph break or a host sync would fail
-it), or as the replay of a CUDA graph captured once per (n, spans) (nano-vllm's and SGLang's decode graphs, with
-eviction kept on: compression runs between steps, outside the graph; see the engine).
+it), or as the replay of a CUDA graph captured once per (n, spans, sampling) (nano-vllm's and SGLang's decode graphs,
+with eviction kept on: compaction runs between steps, as a graph of its own; see compressor.py).
 """
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
 from torch import Tensor, nn
@@ -23,8 +24,14 @@ from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 from .attention import CACHE_KWARG
 from .cache import BudgetKVCache, DecodeView
 
-NO_MASK = {"full_attention": None}  # a prepared mask mapping: the model builds none (the cache supplies ours)
+logger = logging.getLogger(__name__)
+# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
+# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
+NO_MASK = None
 STEP_MODES = ("eager", "compile", "cuda_graph")
+# Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
+# cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
+SPAN_GRANULARITY = 256
 
 
 @dataclass
@@ -48,49 +55,96 @@ class DecodeState:
                    out_tokens=longs(rows, window), out_logprobs=torch.zeros(rows, window, device=device),
                    column=longs())
 
-    def set_row(self, row: int, token: int, position: int, key: int, counter: int) -> None:
-        """A newly admitted row: it runs `token` at `position` next and samples response token `counter` next."""
-        values = torch.tensor([token, position, key, counter], dtype=torch.int64)
-        for tensor, value in zip((self.tokens, self.positions, self.keys, self.counters), values.to(self.tokens.device)):
-            tensor[row] = value
+    def set_rows(self, rows: Tensor, tokens: Tensor, positions: Tensor, keys: Tensor) -> None:
+        """Newly admitted rows (an index on the device): each runs its first sampled token at `positions` next and
+        samples response token 1 next."""
+        self.tokens[rows] = tokens
+        self.positions[rows] = positions
+        self.keys[rows] = keys
+        self.counters[rows] = torch.ones_like(keys)
 
     def copy_row(self, src: int, dst: int) -> None:
         for tensor in (self.tokens, self.positions, self.keys, self.counters, self.out_tokens, self.out_logprobs):
             tensor[dst] = tensor[src]
 
 
-class DecodeStep:
-    """`step(n, spans)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph."""
+class CapturedGraphs:
+    """CUDA graphs captured on first use of a key and replayed after (`run`), all in one memory pool (the steps and
+    compactions they hold never overlap). The first call of a key runs the function eagerly on a side stream (a real
+    step, and the warm-up of its kernels: lazy initialisation, e.g. of cuBLAS workspaces, must not happen during the
+    capture, PyTorch's recipe), then captures it without running it. A key whose capture fails runs eagerly from then
+    on, with one warning: graphs are a speed-up, never a reason to stop."""
 
-    def __init__(self, model: nn.Module, cache: BudgetKVCache, state: DecodeState, params: SamplingParams,
-                 logits: Callable[[Tensor], Tensor], mode: str = "eager") -> None:
+    def __init__(self) -> None:
+        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
+        self._eager: set[Hashable] = set()
+        self._pool = None
+        self.captures = 0
+
+    def run(self, key: Hashable, fn: Callable[[], object]) -> object:
+        if key in self._graphs:
+            graph, out = self._graphs[key]
+            graph.replay()
+            return out
+        if key in self._eager:
+            return fn()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            out = fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: CUDA work of other threads (a weight-sync or logging thread) must not void the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                captured = fn()
+        except RuntimeError as err:
+            logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", key, err)
+            self._eager.add(key)
+            return out
+        self._pool = self._pool or graph.pool()
+        self._graphs[key] = (graph, captured)
+        self.captures += 1
+        return out
+
+
+class DecodeStep:
+    """`step(n, spans, params)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph."""
+
+    def __init__(self, model: nn.Module, cache: BudgetKVCache, state: DecodeState, logits: Callable[[Tensor], Tensor],
+                 mode: str = "eager", graphs: CapturedGraphs | None = None) -> None:
         if mode not in STEP_MODES:
             raise ValueError(f"decode step mode {mode!r} is invalid: choose one of {STEP_MODES}")
         self.body = model.get_decoder()
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
-        self.cache, self.state, self.params, self.logits = cache, state, params, logits
+        self.cache, self.state, self.logits = cache, state, logits
         self.mode = mode
+        self.params = SamplingParams()
         self._compiled = torch.compile(self.run, fullgraph=True, dynamic=None) if mode == "compile" else None
-        self._graphs: dict[tuple[int, tuple[int, ...]], torch.cuda.CUDAGraph] = {}
-        self._pool = None
-        self.captures = 0
+        self.graphs = graphs if mode == "cuda_graph" else None
 
-    def __call__(self, n: int, spans: tuple[int, ...]) -> None:
-        if self.mode == "cuda_graph":
-            self._replay(n, spans)
+    def __call__(self, n: int, spans: tuple[int, ...], params: SamplingParams) -> None:
+        self.params = params
+        if self.graphs is not None:
+            self.graphs.run(("decode", n, spans, params.temperature, params.top_p, params.top_k),
+                            lambda: self.run(n, spans))
         elif self._compiled is not None:
             self._compiled(n, spans)
         else:
             self.run(n, spans)
 
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """The model body over the cache's current step: final hidden states of every row's last column."""
+        return self.body(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=NO_MASK, use_cache=True,
+            **{self.cache_kwarg: self.cache, CACHE_KWARG: self.cache},
+        ).last_hidden_state[:, -1]
+
     def run(self, n: int, spans: tuple[int, ...]) -> None:
         """The step itself (what compile traces and a graph captures)."""
         st, cache = self.state, self.cache
-        cache.begin_decode(DecodeView(n, spans, st.positions[:n]))
-        hidden = self.body(
-            input_ids=st.tokens[:n, None], position_ids=st.positions[:n, None], attention_mask=NO_MASK,
-            use_cache=True, **{self.cache_kwarg: cache, CACHE_KWARG: cache},
-        ).last_hidden_state[:, -1]
+        cache.begin(DecodeView(n, spans, st.positions[:n]))
+        hidden = self.forward(st.tokens[:n, None], st.positions[:n, None])
         tokens, logprobs = sample_tokens(self.logits(hidden), self.params, st.keys[:n], st.counters[:n])
         column = st.column.view(1)
         st.out_tokens[:n].index_copy_(1, column, tokens[:, None])
@@ -100,33 +154,6 @@ class DecodeStep:
         st.counters[:n] += 1
         st.column += 1
         cache.end_decode()
-
-    def _replay(self, n: int, spans: tuple[int, ...]) -> None:
-        """Replay the graph of (n, spans), capturing it first if this shape is new: the first step of a shape runs
-        eagerly (it is a real step, and the warm-up of its kernels), the capture only records."""
-        graph = self._graphs.get((n, spans))
-        if graph is not None:
-            graph.replay()
-            return
-        # warm up on a side stream (PyTorch's recipe: lazy initialisation, e.g. of cuBLAS workspaces, must not
-        # happen during the capture)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.run(n, spans)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: CUDA work of other threads (a weight-sync or logging thread) must not void the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.run(n, spans)
-        self._pool = self._pool or graph.pool()  # one memory pool for every shape: steps never overlap
-        self._graphs[(n, spans)] = graph
-        self.captures += 1
-
-
-# Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
-# cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
-SPAN_GRANULARITY = 256
 
 
 def decode_shapes(mode: str, max_rows: int) -> tuple[list[int], int]:

@@ -1,0 +1,137 @@
+"""What a KV-compression method is: a small dataclass that owns its knobs, says what it needs from an engine, and
+scores cache slots (kvpress's `ScorerPress` shape). Selection (top-k under the protected sinks and window), the
+granularity (per head / layer / model) and the schedule (when to compress) are shared by every method and live
+elsewhere in `slime_sparse.kv`.
+
+A method is registered by name (`@register`); the config, the CLI's choices, the presets and both engines read the
+registry, so adding a method is one module in this package plus its test:
+
+    @register
+    @dataclass(frozen=True)
+    class MyPress(KVMethod):
+        # docstring: what it keeps and why (paper, reference code)
+        name = "mypress"
+        needs_queries = True          # what it asks of the engine (class attributes below)
+        gqa_reduce: str = gqa_knob()  # its knobs: dataclass fields
+
+        def score(self, keys, queries, attn_mass=None):   # [..., Hkv, n, d] -> [..., Hkv, n], batched
+            ...
+            return with_protected(scores[..., : scored_length(self.window, n)], n, self.sinks)
+
+and an import line in `methods/__init__.py` (the registry's order is the CLI's). A knob no registered method has yet
+is also one field of `KVCompressConfig` (`method_knob("name")`: its flag, YAML key and checkpoint field), since
+flags are typed fields of the run config.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from ..ops import GQA_REDUCTIONS, POOLINGS
+
+FLAG_PREFIX = "--kv-"
+
+
+def knob(default: Any, help: str) -> Any:
+    """A method's tunable: its default and the help its `--kv-*` flag shows."""
+    return field(default=default, metadata={"help": help})
+
+
+# Knobs several methods share, declared once.
+def window_knob() -> Any:
+    return knob(8, "observation window: the last `window` queries score, the last `window` tokens are always kept (not "
+                   "under --kv-preset kvpress for keydiff and streaming, which kvpress protects none of)")
+
+
+def kernel_knob() -> Any:
+    return knob(7, "pooling kernel over token scores (SnapKV, R-KV)")
+
+
+def pooling_knob() -> Any:
+    return knob("max", "max | avg pooling of token scores")
+
+
+def gqa_knob() -> Any:
+    # On the attention logits for rkv (as R-KV, which uses max), on the per-head scores after window sum and pooling
+    # for snapkv / h2o (as kvpress, which uses mean).
+    return knob("max", "max | mean over the query heads of a KV group (max as in R-KV and the authors' SGLang)")
+
+
+def bad_knob(name: str, value: Any, why: str) -> ValueError:
+    return ValueError(f"{FLAG_PREFIX}{name.replace('_', '-')}={value!r} is invalid: {why}")
+
+
+@dataclass(frozen=True)
+class KVMethod:
+    """Base of every method. Subclasses add their knobs as fields and implement `score`.
+
+    Class attributes say what the method needs from the engine that runs it:
+    - needs_queries: scores with the last `window` post-RoPE queries of the sequence (the engine keeps a query ring);
+    - tracks_mass: scores with the attention mass each slot received over the whole sequence (explicit attention);
+    - compresses_after_prefill: also cuts a prompt to the budget once it is prefilled (schedule.py);
+    - position_only: the scores depend on slot order alone, so every head and layer keeps the same slots (the
+      eviction record stores one set);
+    - default_sinks / default_schedule: the first tokens always kept and the per-layer budgets unless
+      --kv-n-sink / --kv-budget-schedule say otherwise.
+    """
+
+    name: ClassVar[str] = ""
+    needs_queries: ClassVar[bool] = False
+    tracks_mass: ClassVar[bool] = False
+    compresses_after_prefill: ClassVar[bool] = False
+    position_only: ClassVar[bool] = False
+    default_sinks: ClassVar[int] = 0
+    default_schedule: ClassVar[str] = "uniform"
+
+    window: int = window_knob()
+    sinks: int = 0  # the run's (--kv-n-sink, else default_sinks): filled in by `from_config`
+
+    def __post_init__(self) -> None:
+        if self.window < (1 if self.needs_queries else 0):
+            raise bad_knob("window", self.window, "must be >= 1")
+
+    @classmethod
+    def knobs(cls) -> tuple[dataclasses.Field, ...]:
+        """The method's tunables (its dataclass fields but `sinks`, which the run config derives)."""
+        return tuple(f for f in dataclasses.fields(cls) if f.name != "sinks")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "KVMethod":
+        """The method with its knobs read from a run's KV config (`KVCompressConfig`); its window is the one the run
+        protects (`cfg.protected_window`: none for a method whose preset's reference protects none)."""
+        knobs = {f.name: getattr(cfg, f.name) for f in cls.knobs()}
+        if cfg.method == cls.name:
+            knobs["window"] = cfg.protected_window
+        return cls(**knobs, sinks=cfg.sinks)
+
+    def score(self, keys: Tensor, queries: Tensor, attn_mass: Tensor | None = None) -> Tensor:
+        """Scores of every slot: keys [..., Hkv, n, d], queries [..., Hq, w, d] (w <= window), attn_mass
+        [..., Hkv, n] (methods that track it) -> [..., Hkv, n] float32, higher = keep; the sinks and the last
+        `window` slots carry +inf. Leading dims broadcast (layers x rows of an engine step): an entry's scores equal
+        that entry scored alone."""
+        raise NotImplementedError
+
+
+def check_pooling(kernel_size: int, pooling: str) -> None:
+    if kernel_size < 1 or kernel_size % 2 == 0:
+        raise bad_knob("kernel_size", kernel_size, "must be an odd integer >= 1")
+    if pooling not in POOLINGS:
+        raise bad_knob("pooling", pooling, f"choose one of {POOLINGS}")
+
+
+def check_gqa(gqa_reduce: str) -> None:
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise bad_knob("gqa_reduce", gqa_reduce, f"choose one of {GQA_REDUCTIONS}")
+
+
+REGISTRY: dict[str, type[KVMethod]] = {}
+
+
+def register(cls: type[KVMethod]) -> type[KVMethod]:
+    if not cls.name or cls.name in REGISTRY:
+        raise ValueError(f"KV method {cls.__name__}: name {cls.name!r} is empty or taken")
+    REGISTRY[cls.name] = cls
+    return cls

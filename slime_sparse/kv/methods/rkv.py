@@ -1,0 +1,96 @@
+"""R-KV: attention importance minus key redundancy, for reasoning traces compressed while they are decoded."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..ops import attention_logits, gqa_reduce, pool1d, scored_length, with_protected
+from .base import KVMethod, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
+
+COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
+# Scratch memory for the similarity blocks of one redundancy call: about an L2 cache on CPU, where bigger blocks are
+# memory-bound; on CUDA enough for few blocks (few kernel launches) at a fraction of an 80 GB GPU.
+SIM_SCRATCH_BYTES = {"cuda": 1 << 30}
+DEFAULT_SIM_SCRATCH_BYTES = 4 << 20
+
+
+@register
+@dataclass(frozen=True)
+class RKV(KVMethod):
+    """R-KV (Cai et al., arXiv 2505.24133): score = mix_lambda * importance - (1 - mix_lambda) * redundancy over the
+    scored slots. Importance: the window queries' attention logits reduced over each KV group (before the softmax,
+    as R-KV's `compute_attention_scores`), softmax over the scored slots only, mean over the window, pooled.
+    Redundancy: `rkv_redundancy` over every slot (window included), then sliced."""
+
+    name = "rkv"
+    needs_queries = True
+
+    kernel_size: int = kernel_knob()
+    pooling: str = pooling_knob()
+    gqa_reduce: str = gqa_knob()
+    mix_lambda: float = knob(0.1, "R-KV: score = lambda x importance - (1 - lambda) x redundancy")
+    sim_threshold: float = knob(0.5, "R-KV: the newest near-duplicate (cosine > threshold) is exempt from redundancy")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_pooling(self.kernel_size, self.pooling)
+        check_gqa(self.gqa_reduce)
+        if not 0.0 <= self.mix_lambda <= 1.0:
+            raise bad_knob("mix_lambda", self.mix_lambda, "must lie in [0, 1]")
+
+    def importance(self, keys: Tensor, queries: Tensor) -> Tensor:
+        """[..., Hkv, m]: of the scored slots [0, m). No causal mask: every query sits after every scored slot."""
+        n_kv_heads, n = keys.shape[-3:-1]
+        m = scored_length(self.window, n)
+        logits = gqa_reduce(attention_logits(keys, queries), n_kv_heads, self.gqa_reduce, dim=-3)[..., :m]
+        return pool1d(logits.softmax(dim=-1).mean(dim=-2), self.kernel_size, self.pooling)
+
+    def score(self, keys: Tensor, queries: Tensor, attn_mass: Tensor | None = None) -> Tensor:
+        n = keys.shape[-2]
+        m = scored_length(self.window, n)
+        redundancy = rkv_redundancy(keys, self.sim_threshold)[..., :m]
+        mixed = self.mix_lambda * self.importance(keys, queries) - (1.0 - self.mix_lambda) * redundancy
+        return with_protected(mixed, n, self.sinks)
+
+
+def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None) -> Tensor:
+    """R-KV's redundancy of every slot: [..., Hkv, n] float32, a softmax over slots (each head's row sums to 1).
+
+    Per KV head, S = cosine similarity of keys with the diagonal zeroed. In each row i, the entry of the *newest*
+    near-duplicate j* = max{j : S[i, j] > sim_threshold} is zeroed, so the newest copy of a repeated pattern is
+    not charged for its similarity to the older copies (it survives, the older ones go). Redundancy of slot j is
+    the mean of column j (divided by n, the diagonal included), then softmax over j.
+    Faithful to R-KV's `cal_similarity`, including its fallback: a row with no near-duplicate marks index 0, so
+    that row's similarity to slot 0 is zeroed too (slot 0 looks slightly less redundant).
+
+    Computed without keeping S: a column sum of S is u_j . sum_i u_i - u_j . u_j (u the unit keys), and only j*(i)
+    and S[i, j*(i)] need S itself, found block by block within `scratch_bytes` (default: SIM_SCRATCH_BYTES by
+    device). R-KV materialises S in fp32 and passes over it about seven times; this reads each block twice.
+    """
+    k = keys.float()
+    unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
+    n, d = unit.shape[-2:]
+    flat = unit.reshape(-1, n, d)  # [E, n, d]: one entry per (leading index, head)
+    columns = (flat @ flat.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (flat * flat).sum(dim=-1)  # [E, n]
+    if scratch_bytes is None:
+        scratch_bytes = SIM_SCRATCH_BYTES.get(keys.device.type, DEFAULT_SIM_SCRATCH_BYTES)
+    block = max(1, scratch_bytes // (4 * n * n))
+    for start in range(0, flat.shape[0], block):
+        part = flat[start : start + block]
+        sim = part @ part.transpose(-1, -2)  # [b, n, n]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        newest = newest_duplicate(sim, sim_threshold)  # [b, n]
+        columns[start : start + block].scatter_add_(-1, newest, -sim.gather(-1, newest.unsqueeze(-1)).squeeze(-1))
+    return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
+
+
+def newest_duplicate(sim: Tensor, threshold: float) -> Tensor:
+    """[..., n] long: per row i of sim [..., n, n], the largest j with sim[i, j] > threshold, else 0 (R-KV's fallback).
+
+    Slot numbers are multiplied into the mask as int32 rather than selected from int64 (torch.where): the same
+    indices for half the memory traffic of this pass over n x n entries.
+    """
+    slot = torch.arange(sim.shape[-1], device=sim.device, dtype=torch.int32)
+    return ((sim > threshold).to(torch.int32) * slot).amax(dim=-1).long()

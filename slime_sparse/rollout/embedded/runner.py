@@ -1,0 +1,124 @@
+"""The device side of the engine, built once per (KV config, capacity, rows) and reused across generate() calls:
+the cache, the decode state, the decode step and the compressor, with their CUDA graphs (nano-vllm's ModelRunner).
+
+A second generate() under the same config captures nothing: the graphs are keyed by (rows, spans, sampling) and by
+(rows, slots, queries) for compactions, and live as long as the runner. The engine drops the runner when the KV config
+changes (a dense evaluation), when a call needs more rows or slots than it holds, and in `release_memory`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from slime_sparse.kv import KVCompressConfig
+from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
+
+from .cache import BudgetKVCache
+from .compressor import Compressor, PackedBits, _to_host, to_device
+from .plan import build_plan
+from .step import CapturedGraphs, DecodeState, DecodeStep, decode_shapes
+
+
+@dataclass(frozen=True)
+class RunnerShape:
+    """What a runner is built for; a call fits a runner whose KV config, mode and window match and whose rows and
+    capacity are at least what the call needs."""
+
+    kv: KVCompressConfig
+    rows: int
+    capacity: int
+    mode: str
+    readback: int
+
+    def holds(self, other: "RunnerShape") -> bool:
+        return (self.kv, self.mode, self.readback) == (other.kv, other.mode, other.readback) \
+            and self.rows >= other.rows and self.capacity >= other.capacity
+
+
+def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dtype) -> int:
+    """Device bytes one cache row takes (keys, values, positions, the query ring, attention mass): what KV-memory
+    admission divides a budget by."""
+    cfg = model_config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
+    size = torch.empty((), dtype=dtype).element_size()
+    per_slot = kv_heads * (2 * head_dim * size + 4 + (4 if kv.traits.tracks_mass else 0))
+    ring = cfg.num_attention_heads * kv.window * head_dim * size if kv.traits.needs_queries else 0
+    return layers * (capacity * per_slot + ring)
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, shape: RunnerShape, budgets: tuple[int, ...], device: torch.device,
+                 logits: Callable[[Tensor], Tensor]) -> None:
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = shape.kv
+        self.shape, self.device, self.logits = shape, device, logits
+        self.cache = BudgetKVCache(
+            num_rows=shape.rows, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+            num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
+            record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
+            dtype=model.dtype, shared_fill=len(set(budgets)) == 1)
+        self.state = DecodeState.allocate(shape.rows, shape.readback, device)
+        self.graphs = CapturedGraphs() if shape.mode == "cuda_graph" else None
+        self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs)
+        self.compressor = Compressor(self.cache, kv, budgets, self.graphs) if kv.enabled else None
+        self.buckets, self.span_granularity = decode_shapes(shape.mode, shape.rows)
+
+    @property
+    def captures(self) -> int:
+        return self.graphs.captures if self.graphs is not None else 0
+
+    # ---- prefill (eager: its shapes vary) ----
+    def prefill(self, row_start: int, chunks: list[list[int]], first_positions: list[int],
+                fills: list[list[int]]) -> Tensor:
+        """Run each row's chunk through the model (rows [row_start, row_start + len(chunks)), holding fills[l][b]
+        slots in layer l); next-token logits [n, V] of every row's last column."""
+        plan = build_plan(row_start, chunks, fills, first_positions, self.shape.kv.window, self.device)
+        self.cache.begin(plan)
+        hidden = self.step.forward(plan.input_ids, plan.position_ids)
+        self.cache.end_prefill()
+        return self.logits(hidden)
+
+    def sample_first(self, rows: list[int], logits: Tensor, params: SamplingParams, positions: list[int],
+                     keys: list[int]) -> tuple[list[int], list[float]]:
+        """Sample the first response token of `rows` from their prompts' logits [n, V] (row i from logits[i]), set the
+        rows up for decoding, and return the tokens and log-probs (read back at once: prefill is eager)."""
+        host = to_device([*rows, *positions, *keys], self.device).view(3, -1)
+        tokens, logprobs = sample_tokens(logits, params, host[2], torch.zeros_like(host[2]))
+        self.state.set_rows(host[0], tokens, host[1], host[2])
+        return tokens.tolist(), logprobs.tolist()
+
+    # ---- decode ----
+    def decode(self, n: int, spans: tuple[int, ...], params: SamplingParams) -> None:
+        self.step(n, spans, params)
+
+    def compress(self, rows: list[int], sizes: tuple[int, ...], m: int, bucket: int | None = None) -> PackedBits:
+        return self.compressor(rows, sizes, m, bucket if self.graphs is not None else None)
+
+    def readback(self, n: int, steps: int) -> tuple[Tensor, Tensor, "torch.cuda.Event | None"]:
+        """Copy the tokens and log-probs of the last `steps` decode steps of rows [0, n) to the host without waiting,
+        and start a new window; the event (CUDA) says when the copies are done."""
+        st = self.state
+        tokens, logprobs = _to_host(st.out_tokens[:n, :steps]), _to_host(st.out_logprobs[:n, :steps])
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        st.column.zero_()
+        return tokens, logprobs, event
+
+    # ---- rows (between steps) ----
+    def reset_row(self, row: int) -> None:
+        self.cache.reset_row(row)
+
+    def park_row(self, row: int) -> None:
+        self.cache.park_row(row)
+
+    def copy_row(self, src: int, dst: int, held: int, with_state: bool = False) -> None:
+        self.cache.copy_row(src, dst, held)
+        if with_state:
+            self.state.copy_row(src, dst)

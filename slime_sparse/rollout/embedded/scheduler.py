@@ -1,0 +1,279 @@
+"""The host side of one generate() call: which sequence sits in which cache row, what every row holds, when a row
+compresses and when a sequence ends (nano-vllm's Scheduler, without pages).
+
+- One table (`table.RowTable`) holds every per-row quantity the host needs, in numpy: the slots each layer holds,
+  queries seen, tokens issued and allowed, and per sampled token the slots its context held. The device never tells
+  the host any of it: every change is one the scheduler decides (an admission, a step, a compression) and applies to
+  the table as it asks the runner to apply it to the cache.
+- Continuous batching: running sequences occupy rows [0, n); when one finishes, the last running row moves into its
+  place and waiting prompts are admitted at the end, then prefilled (eagerly; in chunks when the cache bound demands
+  it, with compressions in between).
+- Decoding runs in windows of `readback` steps; between steps, every row that reached its trigger is compressed in one
+  batched call (`runner.compress`); a window's tokens come back without waiting (on CUDA the previous window is
+  handed out while this one runs), so the host learns a sequence ended up to two windows late.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from slime_sparse.kv import KVCompressConfig, should_compress
+from slime_sparse.rollout.sampling import SamplingParams
+from slime_sparse.types import GenerationOutput
+from slime_sparse.utils.faults import fault_point
+
+from .runner import ModelRunner
+from .sequence import KVTraceRecord, Sequence
+from .step import bucket_for
+from .table import GenerateStats, RowTable
+
+
+@dataclass
+class _Readback:
+    """A decode window's tokens on their way to the host: row r of the window belonged to sequences[r]."""
+
+    sequences: list[Sequence]
+    tokens: Tensor  # [n, steps]
+    logprobs: Tensor
+    event: "torch.cuda.Event | None"
+
+
+@dataclass
+class Scheduler:
+    runner: ModelRunner
+    kv: KVCompressConfig
+    params: SamplingParams
+    waiting: deque[Sequence]
+    budgets: tuple[int, ...]  # per layer: slots kept after a compression
+    trigger: int  # the fullest layer's slots at which a row compresses (kv/schedule.py)
+    capacity: int  # slots a row may fill before it must compress (during a chunked prefill too)
+    stop_ids: set[int]
+    context: int  # the model's max_position_embeddings
+    weight_version: int
+    stats: GenerateStats
+    trace: Callable[[KVTraceRecord], None] | None = None
+    running: list[Sequence] = field(default_factory=list)  # running[r] lives in cache row r
+    pending: deque[_Readback] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        cache = self.runner.cache
+        self.table = RowTable.allocate(cache.num_layers, cache.num_rows, self.params.max_new_tokens)
+        self.readback = 1 if self.trace is not None else self.runner.shape.readback  # tracing reads every step
+        self._budgets = np.array(self.budgets, dtype=np.int64)[:, None]
+
+    def run(self, outputs: list[GenerationOutput | None]) -> None:
+        rows = self.runner.cache.num_rows
+        for row in range(rows):
+            self._park(row)
+        while self.waiting or self.running:
+            admitted: list[Sequence] = []
+            while self.waiting and len(self.running) + len(admitted) < rows:
+                admitted.append(self.waiting.popleft())
+            if admitted:
+                self._admit(admitted)
+                self._retire(outputs)
+            if self.running:
+                self._decode_window()
+                self._retire(outputs)
+
+    # ---- prefill ----
+    def _admit(self, admitted: list[Sequence]) -> None:
+        """Prefill the admitted prompts, each distinct prompt once (GRPO's n samples of a prompt share it), and sample
+        their first tokens.
+
+        The first sample of each prompt (its leader) is prefilled in a row of its own; the others (followers) get a copy
+        of that row once the prompt is done, before any decode-time compression, so they continue from the very cache
+        they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
+        """
+        groups: dict[tuple[int, ...], list[Sequence]] = {}
+        for seq in admitted:
+            groups.setdefault(tuple(seq.prompt), []).append(seq)
+        leaders = [group[0] for group in groups.values()]
+        first = len(self.running)
+        self.running += leaders + [f for group in groups.values() for f in group[1:]]
+        rows_of: dict[int, list[int]] = {}  # leader id -> its group's rows, the leader's first
+        follower_row = first + len(leaders)
+        for b, group in enumerate(groups.values()):
+            rows_of[id(group[0])] = [first + b, *range(follower_row, follower_row + len(group) - 1)]
+            follower_row += len(group) - 1
+        table = self.table
+        for row in range(first, len(self.running)):
+            self.runner.reset_row(row)
+            table.fill[:, row], table.seen[row], table.issued[row] = 0, 0, 0
+        prefill = sum(len(s.prompt) for s in leaders)
+        self.stats.prefill_tokens += prefill
+        self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
+        lead_rows = list(range(first, first + len(leaders)))
+        while any(s.processed < len(s.prompt) for s in leaders):
+            room = [self.capacity - int(table.fill[:, r].max()) for r in lead_rows]
+            chunks = [s.pending_prompt(r) for s, r in zip(leaders, room)]
+            fault_point("engine.step")  # chaos tests: a kill mid-rollout (prefill or decode)
+            logits = self.runner.prefill(first, chunks, [s.processed for s in leaders],
+                                         table.fill[:, first : first + len(leaders)].tolist())
+            self.stats.forwards += 1
+            done, cut = [], []  # leaders whose prompt ended in this chunk; rows that must compress before the next
+            for b, (seq, row, chunk) in enumerate(zip(leaders, lead_rows, chunks)):
+                if not chunk:
+                    continue  # prompt already done: this row only rode along
+                seq.processed += len(chunk)
+                table.fill[:, row] += len(chunk)
+                table.seen[row] += len(chunk)
+                seq.prefill_peak = max(seq.prefill_peak, int(table.fill[:, row].max()))
+                group = [self.running[r] for r in rows_of[id(seq)]]
+                self._trace(row, group, range(seq.processed - len(chunk), seq.processed))
+                if seq.processed < len(seq.prompt):
+                    if should_compress(int(table.fill[:, row].max()), self.kv):  # a long prompt, in chunks
+                        cut.append((row, [seq]))
+                else:
+                    done.append((b, seq, group))
+            if cut:
+                self._compress(cut)
+            if done:
+                self._start_decoding(done, logits, rows_of)
+
+    def _start_decoding(self, done: list[tuple[int, Sequence, list[Sequence]]], logits: Tensor,
+                        rows_of: dict[int, list[int]]) -> None:
+        """Prompts prefilled (done: (batch index, leader, group)): sample every group member's first token from its
+        prompt's logits, cut the prompts that a method compressing after prefill cuts, and copy each leader's row to its
+        followers."""
+        table = self.table
+        members = [(member, row, rows_of[id(seq)][0], b)
+                   for b, seq, group in done for member, row in zip(group, rows_of[id(seq)])]
+        for member, _, lead_row, _ in members:
+            leader = self.running[lead_row]
+            member.processed, member.prefill_peak = leader.processed, leader.prefill_peak
+            member.evictions = list(leader.evictions)
+        index = torch.tensor([b for *_, b in members], device=logits.device)
+        tokens, logprobs = self.runner.sample_first([row for _, row, _, _ in members], logits[index], self.params,
+                                                    [len(m.prompt) for m, *_ in members], [m.key for m, *_ in members])
+        for (member, row, lead_row, _), token, logprob in zip(members, tokens, logprobs):
+            self._append(member, token, logprob)
+            table.issued[row] = 1
+            table.limit[row] = min(self.params.max_new_tokens, self.context - len(member.prompt))
+            # the first token's logits saw the whole prefilled prompt
+            table.kept_log[row, 0], table.peak_log[row, 0] = table.fill[:, lead_row].sum(), table.fill[:, lead_row].max()
+        cut = []
+        for _, seq, group in done:
+            live = [s for s in group if not s.finished]
+            lead_row = rows_of[id(seq)][0]
+            if live and should_compress(int(table.fill[:, lead_row].max()), self.kv, first_decode=True):
+                cut.append((lead_row, live))
+        if cut:
+            self._compress(cut)
+        for _, seq, group in done:
+            lead_row, *follower_rows = rows_of[id(seq)]
+            for member, row in zip(group[1:], follower_rows):
+                if not member.finished:
+                    self.runner.copy_row(lead_row, row, int(table.fill[:, lead_row].max()))
+                    table.fill[:, row], table.seen[row] = table.fill[:, lead_row], table.seen[lead_row]
+
+    # ---- decode ----
+    def _decode_window(self) -> None:
+        """Up to `readback` decode steps over the running rows, then their tokens are read back (on CUDA without
+        waiting: the window before this one is processed instead, so the GPU always has the next steps queued)."""
+        n = len(self.running)
+        table, runner = self.table, self.runner
+        live = table.live(n)
+        steps = min(self.readback, int((table.limit[:n] - table.issued[:n])[live].max(initial=0)))
+        for _ in range(steps):
+            fault_point("engine.step")
+            bucket = bucket_for(n, runner.buckets)
+            # parked rows of the bucket need no span: they only overwrite their own last slot, whatever the others read
+            runner.decode(bucket, table.spans(n, runner.span_granularity, runner.cache.capacity), self.params)
+            np.minimum(table.fill[:, :bucket] + 1, runner.cache.capacity, out=table.fill[:, :bucket])
+            table.seen[:bucket] += 1
+            rows = np.flatnonzero(table.live(n))
+            table.kept_log[rows, table.issued[rows]] = table.fill[:, rows].sum(axis=0)
+            table.peak_log[rows, table.issued[rows]] = table.fill[:, rows].max(axis=0)
+            table.issued[rows] += 1
+            self.stats.forwards += 1
+            for row in rows if self.trace is not None else ():
+                seq = self.running[row]
+                self._trace(row, [seq], [len(seq.prompt) + int(table.issued[row]) - 2])
+            if self.kv.enabled:
+                # every running row whose cache reached the trigger, in one batched call. Rows the host knows have
+                # ended are left alone; one that ended unseen still compresses (its record drops it)
+                due = np.flatnonzero((table.fill[:, :n].max(axis=0) >= self.trigger) & table.live(n))
+                if len(due):
+                    self._compress([(row, [self.running[row]]) for row in due], decode=True)
+        if steps:
+            self.pending.append(_Readback(list(self.running), *runner.readback(n, steps)))
+        while self.pending and (len(self.pending) > 1 or steps == 0 or self.readback == 1):
+            self._process(self.pending.popleft())
+
+    def _compress(self, cut: list[tuple[int, list[Sequence]]], decode: bool = False) -> None:
+        """Compress rows to their layer budgets; cut[i] = (row, the sequences that record its compression). Rows that
+        hold the same slots per layer and have seen the same queries compress in one batched call."""
+        table = self.table
+        by_shape: dict[tuple, list[tuple[int, list[Sequence]]]] = {}
+        for row, owners in cut:
+            key = (tuple(int(f) for f in table.fill[:, row]), int(min(self.kv.window, table.seen[row])))
+            by_shape.setdefault(key, []).append((row, owners))
+        for (sizes, m), entries in by_shape.items():
+            rows = [row for row, _ in entries]
+            bucket = bucket_for(len(rows), self.runner.buckets) if decode else None
+            packed = self.runner.compress(rows, sizes, m, bucket)
+            table.fill[:, rows] = np.minimum(table.fill[:, rows], self._budgets)
+            for i, (row, owners) in enumerate(entries):
+                # tokens run before it: while prefilling, the prompt tokens so far; after, all but the last sampled one
+                start = len(owners[0].prompt) + int(table.issued[row]) - 1 if table.issued[row] else owners[0].processed
+                for seq in owners:
+                    seq.evictions.append((start, packed, i))
+            self.stats.compressions += len(rows)
+            self.stats.compaction_calls += 1
+
+    def _process(self, readback: _Readback) -> None:
+        """Hand the tokens of a readback window to their sequences, stopping each at its end."""
+        if readback.event is not None:
+            readback.event.synchronize()
+        for seq, tokens, logprobs in zip(readback.sequences, readback.tokens.tolist(), readback.logprobs.tolist()):
+            for token, logprob in zip(tokens, logprobs):
+                if seq.finished:
+                    break
+                self._append(seq, token, logprob)
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        seq.append(token, logprob)
+        if token in self.stop_ids:
+            seq.finish_reason = "stop"
+        elif len(seq.response) >= self.params.max_new_tokens or seq.length >= self.context:
+            seq.finish_reason = "length"
+
+    def _trace(self, row: int, seqs: list[Sequence], positions) -> None:
+        if self.trace is None:
+            return
+        per_layer = [h.cpu() for h in self.runner.cache.held_positions(row, self.table.fill[:, row].tolist())]
+        # [L, Hkv, n] when every layer holds n slots; per-layer budgets: one [Hkv, n_l] per layer
+        held = torch.stack(per_layer) if len({h.shape[-1] for h in per_layer}) == 1 else per_layer
+        for seq in seqs:
+            self.trace(KVTraceRecord(seq.index, list(positions), held))
+
+    # ---- rows ----
+    def _retire(self, outputs: list[GenerationOutput | None]) -> None:
+        """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
+        record = self.runner.compressor
+        for row in range(len(self.running) - 1, -1, -1):
+            seq = self.running[row]
+            if not seq.finished:
+                continue
+            n = len(seq.response)
+            outputs[seq.index] = seq.output(
+                self.weight_version, self.table.kept_log[row, :n].tolist(), self.table.peak_log[row, :n].tolist(),
+                self.runner.cache.num_layers, record.record_shape if record else None,
+                record.record_budgets if record else None)
+            last = len(self.running) - 1
+            if row != last:
+                self.runner.copy_row(last, row, int(self.table.fill[:, last].max()), with_state=True)
+                self.table.move(last, row)
+                self.running[row] = self.running[last]
+            self.running.pop()
+            self._park(last)
+
+    def _park(self, row: int) -> None:
+        self.runner.park_row(row)
+        self.table.fill[:, row] = self.runner.cache.capacity
