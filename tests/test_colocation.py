@@ -71,7 +71,7 @@ class _Engine:
         self.calls: list[str] = []
         self.weight_version = 3
 
-    def generate(self, prompts, params, seed=None, *, kv=None):
+    def generate(self, prompts, params, seed=None, index_offset=0, *, kv=None):  # the RolloutEngine protocol
         self.calls.append(f"generate kv={kv}")
         return ["out"] * len(prompts)
 

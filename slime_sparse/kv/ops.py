@@ -54,12 +54,17 @@ def pool1d(x: Tensor, kernel_size: int, how: str) -> Tensor:
 
 
 def attention_logits(keys: Tensor, queries: Tensor) -> Tensor:
-    """Scaled dot products Q K^T / sqrt(d) per query head: [..., Hq, w, n] float32 (no mask)."""
-    n_kv_heads, _, head_dim = keys.shape[-3:]
-    n_q_heads = queries.shape[-3]
-    q = queries.float().unflatten(-3, (n_kv_heads, n_q_heads // n_kv_heads))  # [..., Hkv, g, w, d]
-    logits = q @ keys.float().unsqueeze(-3).transpose(-1, -2) / math.sqrt(head_dim)  # [..., Hkv, g, w, n]
-    return logits.flatten(-4, -3)
+    """Scaled dot products Q K^T / sqrt(d) per query head: [..., Hq, w, n] float32 (no mask).
+
+    A KV group's query heads and window positions ride as the rows of one matmul against their KV head's keys
+    ([..., Hkv, g * w, d] @ [..., Hkv, d, n]), so the keys are never copied once per query head (a broadcast matmul
+    would materialise them g times: 7x the keys at Qwen2.5-7B)."""
+    n_kv_heads, n, head_dim = keys.shape[-3:]
+    n_q_heads, w = queries.shape[-3:-1]
+    lead = queries.shape[:-3]
+    q = queries.float().reshape(*lead, n_kv_heads, (n_q_heads // n_kv_heads) * w, head_dim)
+    logits = q @ keys.float().transpose(-1, -2) / math.sqrt(head_dim)  # [..., Hkv, g * w, n]
+    return logits.reshape(*lead, n_q_heads, w, n)
 
 
 def causal_window_attention(keys: Tensor, queries: Tensor) -> Tensor:

@@ -50,6 +50,7 @@ class RKV(KVMethod):
     def score(self, keys: Tensor, queries: Tensor, attn_mass: Tensor | None = None) -> Tensor:
         n = keys.shape[-2]
         m = scored_length(self.window, n)
+        keys = keys.float()  # once, for both terms
         redundancy = rkv_redundancy(keys, self.sim_threshold)[..., :m]
         mixed = self.mix_lambda * self.importance(keys, queries) - (1.0 - self.mix_lambda) * redundancy
         return with_protected(mixed, n, self.sinks)
