@@ -99,7 +99,10 @@ def measure(cfg: KVCompressConfig, due: int, variant: str, args: argparse.Namesp
         if args.device.startswith("cuda"):
             runtime, batch = scene(cfg, due, args)
             sync(args.device)
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             out["syncs"] = cuda_syncs(lambda: run(runtime, batch))
+            out["peak"] = (torch.cuda.max_memory_allocated() - base) / 2**30
         if args.time:
             times = []
             for r in range(args.repeats):
@@ -182,8 +185,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.q_heads}/{args.kv_heads} heads, head dim {args.head_dim}; budget {args.budget} + buffer "
           f"{args.buffer}, window {args.window}; {args.clock} clock; load average {load}\n")
     timed = " loop ms | batched ms | speed-up |" if args.time else ""
-    print(f"| method | due requests | loop ops | loop syncs | batched ops | batched syncs | ops ratio |{timed}")
-    print("|---" * (7 + 3 * args.time) + "|")
+    cuda = args.device.startswith("cuda")
+    memory = " loop peak GiB | batched peak GiB | batched calls |" if cuda else ""
+    print(f"| method | due requests | loop ops | loop syncs | batched ops | batched syncs | ops ratio |{timed}{memory}")
+    print("|---" * (7 + 3 * args.time + 3 * cuda) + "|")
     for method in args.methods:
         cfg = KVCompressConfig(method=method, budget=args.budget, buffer=args.buffer, window=args.window,
                                granularity="model")
@@ -193,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
                    f"{loop['ops'] / batched['ops']:.1f}x |")
             if args.time:
                 row += f" {loop['ms']:.2f} | {batched['ms']:.2f} | {loop['ms'] / batched['ms']:.1f}x |"
+            if cuda:
+                rows = scene(cfg, 1, args)[0].rows_per_call(cfg.budget + cfg.buffer)
+                row += f" {loop['peak']:.2f} | {batched['peak']:.2f} | {-(-due // rows)} |"
             print(row, flush=True)
     if args.check:
         print()

@@ -40,6 +40,12 @@ RUNTIME_ATTR = "slime_sparse_kv"  # ReqToTokenPool attribute: this process's Spa
 RING_ATTR = "slime_sparse_queries"  # RadixAttention attribute: that layer's query ring [rows, window, Hq, d]
 EVICTED_ATTR = "slime_sparse_evicted"  # Req attribute: tokens of this request evicted so far (logical - physical)
 KEPT_INFO_KEY = "sparse_kv_kept"  # key in Req.customized_info -> meta_info: cache size per output token
+# Device memory one compaction call may take (SGLang serves from what --mem-fraction-static leaves: 30 % of the GPU
+# by our default). Scoring holds float32 copies of the keys, a query-group-wide broadcast of them in the attention
+# logits, and the unit keys of R-KV: about layers x n x d x 4 bytes x (Hq + 2 Hkv) per request, ~330 MB for a 7B
+# model at n = 640 (measured: `benchmarks/sglang_compaction_cost.py --device cuda`). More due requests than fit are
+# compacted in several calls, in the same step.
+COMPACTION_BYTES = 4 << 30
 
 
 def runtime_of(req_to_token_pool: Any) -> "SparseKVRuntime | None":
@@ -74,6 +80,7 @@ class SparseKVRuntime:
         keys = [kv_pool.get_key_buffer(layer) for layer in range(self.start_layer, self.start_layer + kv_pool.layer_num)]
         self.compactor = Compactor(cfg, req_to_token_pool.req_to_token, keys, rings)
         self.device = req_to_token_pool.req_to_token.device
+        self.compaction_bytes = COMPACTION_BYTES
 
     @classmethod
     def allocate(cls, cfg: KVCompressConfig, req_to_token_pool: Any, kv_pool: Any, allocator: Any, num_q_heads: int,
@@ -105,14 +112,17 @@ class SparseKVRuntime:
         dense); return how many.
 
         Due requests hold the trigger's B + buffer slots (SnapKV's cut of a fresh prompt: its prompt length), so they
-        form one group per length, one batched call each (one per step once decoding). Each is scored (keys from the
+        form one group per length, one batched call each (one per step once decoding; more only past
+        `compaction_bytes`). Each is scored (keys from the
         KV pool, queries from the rings), its kept slots moved to the front of its req_to_token row in place, the
         others freed through the allocator, and seq_lens / seq_lens_cpu / kv_committed_len / kv_allocated_len set to
         the budget; its evicted count grows by what it lost, and the compression is shipped (record).
         """
         groups = self.due(batch)
         for n, index in groups.items():
-            self._compact(batch, index, n)
+            rows = self.rows_per_call(n)
+            for first in range(0, len(index), rows):
+                self._compact(batch, index[first: first + rows], n)
         if groups:
             batch.seq_lens_sum = None  # ForwardBatch.init_new recomputes it from seq_lens_cpu
         return sum(len(index) for index in groups.values())
@@ -131,6 +141,12 @@ class SparseKVRuntime:
                 )
             groups.setdefault(length, []).append(i)
         return groups
+
+    def rows_per_call(self, n: int) -> int:
+        """Requests of n slots one call compacts within `compaction_bytes` (a power of two: a bucket)."""
+        _, _, _, q_heads, head_dim = self.rings.shape
+        per_request = self.kv_pool.layer_num * n * head_dim * 4 * (q_heads + 2 * self.kv_pool.head_num)
+        return 1 << (max(1, self.compaction_bytes // per_request).bit_length() - 1)
 
     def _compact(self, batch: Any, index: list[int], n: int) -> None:
         reqs = [batch.reqs[i] for i in index]

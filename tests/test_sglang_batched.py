@@ -116,6 +116,26 @@ def test_batched_compaction_equals_the_per_request_loop(name, scene):
         assert on_the_wire(b.customized_info) == a.customized_info  # the records, as the client receives them
 
 
+@pytest.mark.parametrize("name", ["rkv", "snapkv"])
+def test_batched_compaction_in_memory_sized_calls_equals_the_loop(name):
+    """Past its memory allowance a step compacts its due requests in several calls (a power of two each)."""
+    cfg = CONFIGS[name]
+    lengths, generated, evicted = [TRIGGER] * 5, [9] * 5, [1, 2, 3, 4, 5]
+    old_rt, old = world(cfg, lengths, generated, evicted)
+    new_rt, new = world(cfg, lengths, generated, evicted)
+    per_request = L * TRIGGER * D * 4 * (HQ + 2 * HKV)
+    new_rt.compaction_bytes = 3 * per_request
+    assert new_rt.rows_per_call(TRIGGER) == 2
+    calls = []
+    original = new_rt.compactor.__call__
+    new_rt.compactor = lambda rows, logical, n: (calls.append(rows.numel()), original(rows, logical, n))[1]
+    assert compact_batch_per_request(old_rt, old) == new_rt.compact_batch(new) == 5
+    assert calls == [2, 2, 1]
+    assert torch.equal(new_rt.req_to_token_pool.req_to_token, old_rt.req_to_token_pool.req_to_token)
+    assert torch.equal(new_rt.allocator.free_pages, old_rt.allocator.free_pages)
+    assert [on_the_wire(r.customized_info) for r in new.reqs] == [r.customized_info for r in old.reqs]
+
+
 @pytest.mark.sglang
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["rkv", "snapkv"])
