@@ -21,6 +21,7 @@ captured in a CUDA graph and replayed does what it does eagerly.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -46,6 +47,7 @@ from slime_sparse.utils.op_audit import OpCounter  # noqa: E402
 def scene(cfg: KVCompressConfig, due: int, args: argparse.Namespace, seed: int = 0):
     """A decode batch of `due` requests, each at its trigger (budget + buffer slots, some tokens evicted before)."""
     n = cfg.budget + cfg.buffer
+    gc.collect()  # the previous scene's pools go before this one's are allocated
     g = torch.Generator(device=args.device).manual_seed(seed)
     pools = replica_pools(due, due * n, args.layers, args.kv_heads, args.head_dim, n + 1, device=args.device,
                           dtype=DTYPES[args.dtype])
@@ -123,7 +125,7 @@ def check(cfg: KVCompressConfig, due: int, args: argparse.Namespace) -> str:
         (rt_a, a), (rt_b, b) = scene(cfg, due, args), scene(cfg, due, args)
         compact_batch_per_request(rt_a, a)
         rt_b.compact_batch(b)
-        same = (torch.equal(rt_a.req_to_token_pool.req_to_token, rt_b.req_to_token_pool.req_to_token)
+        same = (torch.equal(rt_a.req_to_token, rt_b.req_to_token)
                 and torch.equal(rt_a.allocator.free_pages, rt_b.allocator.free_pages))
         verdict = f"loop == batched: {same}"
         if not args.device.startswith("cuda"):
@@ -133,14 +135,14 @@ def check(cfg: KVCompressConfig, due: int, args: argparse.Namespace) -> str:
         reqs = batch.reqs[: runtime.rows_per_call(n)]  # one call's worth: what one graph would hold
         table = torch.tensor([[r.req_pool_idx for r in reqs], [n + getattr(r, EVICTED_ATTR) for r in reqs],
                               list(range(len(reqs)))], device=args.device)
-        before = runtime.req_to_token_pool.req_to_token.clone(), batch.seq_lens.clone()
+        before = runtime.req_to_token.clone(), batch.seq_lens.clone()
 
         def restore():
-            runtime.req_to_token_pool.req_to_token.copy_(before[0])
+            runtime.req_to_token.copy_(before[0])
             batch.seq_lens.copy_(before[1])
 
         eager = runtime.compact_on_device(table, n, batch.seq_lens)
-        eager_rows = runtime.req_to_token_pool.req_to_token.clone()
+        eager_rows = runtime.req_to_token.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graph asks
@@ -154,7 +156,7 @@ def check(cfg: KVCompressConfig, due: int, args: argparse.Namespace) -> str:
         restore()
         graph.replay()
         torch.cuda.synchronize()
-        replayed = (torch.equal(runtime.req_to_token_pool.req_to_token, eager_rows)
+        replayed = (torch.equal(runtime.req_to_token, eager_rows)
                     and torch.equal(captured.freed, eager.freed) and torch.equal(captured.packed, eager.packed)
                     and bool((batch.seq_lens[: len(reqs)] == cfg.budget).all()))
         return f"{verdict}; CUDA graph of one call ({len(reqs)} requests) replayed == eager: {replayed}"

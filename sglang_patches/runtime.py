@@ -72,20 +72,22 @@ class SparseKVRuntime:
     """The budgeted cache of one scheduler process. req_to_token_pool / kv_pool / allocator are SGLang's
     ReqToTokenPool, MHATokenToKVPool and TokenToKVPoolAllocator (page_size 1) of the process's ModelRunner."""
 
-    def __init__(self, cfg: KVCompressConfig, req_to_token_pool: Any, kv_pool: Any, allocator: Any,
+    def __init__(self, cfg: KVCompressConfig, req_to_token: Tensor, kv_pool: Any, allocator: Any,
                  rings: Tensor) -> None:
-        self.cfg, self.req_to_token_pool, self.kv_pool, self.allocator = cfg, req_to_token_pool, kv_pool, allocator
+        # no reference back to the ReqToTokenPool that owns this object: no cycle, freed with it
+        self.cfg, self.req_to_token, self.kv_pool, self.allocator = cfg, req_to_token, kv_pool, allocator
         self.rings = rings  # [layers, req_to_token rows, window, Hq, d]
         self.start_layer = getattr(kv_pool, "start_layer", 0) or 0
         keys = [kv_pool.get_key_buffer(layer) for layer in range(self.start_layer, self.start_layer + kv_pool.layer_num)]
-        self.compactor = Compactor(cfg, req_to_token_pool.req_to_token, keys, rings)
-        self.device = req_to_token_pool.req_to_token.device
+        self.compactor = Compactor(cfg, req_to_token, keys, rings)
+        self.device = req_to_token.device
         self.compaction_bytes = COMPACTION_BYTES
 
     @classmethod
     def allocate(cls, cfg: KVCompressConfig, req_to_token_pool: Any, kv_pool: Any, allocator: Any, num_q_heads: int,
                  dtype: torch.dtype, memory_region: Any = None) -> "SparseKVRuntime":
-        """Preallocate the query rings: one row per req_to_token row (the padding row included).
+        """Preallocate the query rings (one row per req_to_token row, the padding row included) and hang the runtime
+        on req_to_token_pool, its owner.
 
         memory_region: a context manager (SGLang's memory-saver KV-cache region) so the rings are released and
         resumed with the KV cache when a colocated trainer takes the GPU; None = plain allocation. Nothing needs
@@ -95,11 +97,12 @@ class SparseKVRuntime:
         shape = (kv_pool.layer_num, req_to_token.shape[0], cfg.window, num_q_heads, kv_pool.head_dim)
         with memory_region if memory_region is not None else contextlib.nullcontext():
             rings = torch.zeros(shape, dtype=dtype, device=req_to_token.device)
-        return cls(cfg, req_to_token_pool, kv_pool, allocator, rings)
+        runtime = cls(cfg, req_to_token, kv_pool, allocator, rings)
+        setattr(req_to_token_pool, RUNTIME_ATTR, runtime)
+        return runtime
 
     def attach(self, attention_layers: Iterable[Any] = ()) -> "SparseKVRuntime":
-        """Hang this runtime on the pool and each layer's ring on the layer (RadixAttention modules, `layer_id`)."""
-        setattr(self.req_to_token_pool, RUNTIME_ATTR, self)
+        """Hang each layer's ring on the layer (RadixAttention modules, by `layer_id`)."""
         for layer in attention_layers:
             setattr(layer, RING_ATTR, self.rings[layer.layer_id - self.start_layer])
         return self

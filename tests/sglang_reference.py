@@ -42,7 +42,7 @@ def compact_batch_per_request(runtime: SparseKVRuntime, batch: Any) -> int:
     cfg = runtime.cfg
     seq_lens_cpu = batch.seq_lens_cpu
     new_lens = seq_lens_cpu.clone()
-    req_to_token = runtime.req_to_token_pool.req_to_token
+    req_to_token = runtime.req_to_token
     layers = range(runtime.start_layer, runtime.start_layer + runtime.kv_pool.layer_num)
     k_buffers = [runtime.kv_pool.get_key_buffer(layer) for layer in layers]
     window = runtime.rings.shape[2]

@@ -103,7 +103,7 @@ def test_batched_compaction_equals_the_per_request_loop(name, scene):
     n_new = new_rt.compact_batch(new)
     assert n_new == n_old > 0
     # kept slots, in token order, at the front of each row (the rest of every row untouched alike)
-    assert torch.equal(new_rt.req_to_token_pool.req_to_token, old_rt.req_to_token_pool.req_to_token)
+    assert torch.equal(new_rt.req_to_token, old_rt.req_to_token)
     # freed slots: the same ids in the same order (SGLang allocates from the front of the free list)
     assert torch.equal(new_rt.allocator.free_pages, old_rt.allocator.free_pages)
     assert torch.equal(new.seq_lens, old.seq_lens) and torch.equal(new.seq_lens_cpu, old.seq_lens_cpu)
@@ -131,7 +131,7 @@ def test_batched_compaction_in_memory_sized_calls_equals_the_loop(name):
     new_rt.compactor = lambda rows, logical, n: (calls.append(rows.numel()), original(rows, logical, n))[1]
     assert compact_batch_per_request(old_rt, old) == new_rt.compact_batch(new) == 5
     assert calls == [2, 2, 1]
-    assert torch.equal(new_rt.req_to_token_pool.req_to_token, old_rt.req_to_token_pool.req_to_token)
+    assert torch.equal(new_rt.req_to_token, old_rt.req_to_token)
     assert torch.equal(new_rt.allocator.free_pages, old_rt.allocator.free_pages)
     assert [on_the_wire(r.customized_info) for r in new.reqs] == [r.customized_info for r in old.reqs]
 
@@ -145,7 +145,7 @@ def test_batched_compaction_equals_the_loop_on_sglangs_pools(name):
     old_rt, old = world(cfg, lengths, generated, evicted, frozenset(dense), make_pools=sglang_pools)
     new_rt, new = world(cfg, lengths, generated, evicted, frozenset(dense), make_pools=sglang_pools)
     assert compact_batch_per_request(old_rt, old) == new_rt.compact_batch(new) == 3
-    assert torch.equal(new_rt.req_to_token_pool.req_to_token, old_rt.req_to_token_pool.req_to_token)
+    assert torch.equal(new_rt.req_to_token, old_rt.req_to_token)
     assert torch.equal(new_rt.allocator.free_pages, old_rt.allocator.free_pages)
     assert [on_the_wire(r.customized_info) for r in new.reqs] == [r.customized_info for r in old.reqs]
 
@@ -160,7 +160,7 @@ def test_batched_padding_repeats_a_due_request_and_changes_nothing():
     _, again = world(cfg, [TRIGGER] * 3, [9] * 3, [2] * 3)
     padded = again.req_to_token_pool.slime_sparse_kv.compactor(torch.tensor(rows + rows[:1]),
                                                                torch.tensor(logical + logical[:1]), TRIGGER)
-    assert torch.equal(runtime.req_to_token_pool.req_to_token, again.req_to_token_pool.req_to_token)
+    assert torch.equal(runtime.req_to_token, again.req_to_token_pool.req_to_token)
     assert torch.equal(padded.freed[:3], torch.cat([c.freed for c in alone]))
     assert torch.equal(padded.freed[3], padded.freed[0]) and torch.equal(padded.packed[3], padded.packed[0])
 
