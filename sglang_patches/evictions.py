@@ -59,7 +59,7 @@ class PendingEntry:
     so waiting on `ready` first costs nothing; the compaction itself never waits.
     """
 
-    __slots__ = ("start", "held", "packed", "ready", "_entry")
+    __slots__ = ("_entry", "held", "packed", "ready", "start")
 
     def __init__(self, start: int, held: int, packed: Tensor, ready: Any = None) -> None:
         self.start, self.held, self.packed, self.ready, self._entry = start, held, packed, ready, None

@@ -10,11 +10,11 @@ there is none (compression off, or a process without a ModelRunner such as the t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
-
 import inspect
 import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from .admission import new_request_decode_reservation, running_request_need, slots_freed_by_next_compaction
 from .preconditions import SparseKVPreconditionError, check_model_runner, raise_if_problems

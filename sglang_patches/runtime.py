@@ -18,7 +18,8 @@ without waiting and encoded when SGLang streams them (evictions.PendingEntry).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +49,7 @@ KEPT_INFO_KEY = "sparse_kv_kept"  # key in Req.customized_info -> meta_info: cac
 COMPACTION_BYTES = 4 << 30
 
 
-def runtime_of(req_to_token_pool: Any) -> "SparseKVRuntime | None":
+def runtime_of(req_to_token_pool: Any) -> SparseKVRuntime | None:
     return getattr(req_to_token_pool, RUNTIME_ATTR, None)
 
 
@@ -85,7 +86,7 @@ class SparseKVRuntime:
 
     @classmethod
     def allocate(cls, cfg: KVCompressConfig, req_to_token_pool: Any, kv_pool: Any, allocator: Any, num_q_heads: int,
-                 dtype: torch.dtype, memory_region: Any = None) -> "SparseKVRuntime":
+                 dtype: torch.dtype, memory_region: Any = None) -> SparseKVRuntime:
         """Preallocate the query rings (one row per req_to_token row, the padding row included) and hang the runtime
         on req_to_token_pool, its owner.
 
@@ -101,7 +102,7 @@ class SparseKVRuntime:
         setattr(req_to_token_pool, RUNTIME_ATTR, runtime)
         return runtime
 
-    def attach(self, attention_layers: Iterable[Any] = ()) -> "SparseKVRuntime":
+    def attach(self, attention_layers: Iterable[Any] = ()) -> SparseKVRuntime:
         """Hang each layer's ring on the layer (RadixAttention modules, by `layer_id`)."""
         for layer in attention_layers:
             setattr(layer, RING_ATTR, self.rings[layer.layer_id - self.start_layer])

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from sglang_pools import replica_pools, sglang_pools
 from sglang_reference import compact_batch_per_request
+
 from sglang_patches.evictions import EVICTIONS_INFO_KEY, PendingEntry
 from sglang_patches.runtime import EVICTED_ATTR, SparseKVRuntime, bucket, evicted_count
 from sglang_patches.settings import DENSE_REQUEST_PARAM, check_sglang_kv_config
