@@ -6,6 +6,7 @@ Slow set: `python -m pytest -q -p no:cacheprovider -m sglang tests/test_sglang_p
 from __future__ import annotations
 
 import json
+import pkgutil
 from types import SimpleNamespace
 
 import pytest
@@ -232,8 +233,6 @@ def test_sglang_hook_registry_applies_every_hook(monkeypatch):
     from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
 
     activate_cpu_import_env(prepare_cpu_import_env())
-    import pkgutil
-
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from sglang_patches.plugin import register
@@ -301,3 +300,49 @@ def test_dense_opt_out_reaches_sglangs_own_request_object():
     assert req.sampling_params.custom_params[DENSE_REQUEST_PARAM] is True and wants_dense(req)
     plain = Req("p", "", [1, 2, 3], SamplingParams(**json.loads(json.dumps(sampling_payload(OurParams(), 7)))))
     assert not wants_dense(plain)
+
+
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_start_up_hook_builds_the_runtime_on_sglangs_pools_and_layers(monkeypatch):
+    """after_alloc_memory_pool on a model runner holding SGLang's own pools and RadixAttention layers: the runtime
+    hangs on the ReqToTokenPool, each layer holds its ring, and the hooked RadixAttention.forward writes into it
+    before SGLang's attention runs."""
+    from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
+
+    activate_cpu_import_env(prepare_cpu_import_env())
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from sglang_patches.plugin import register
+    from sglang_pools import sglang_pools
+
+    for spec in HOOKS:
+        owner, name = spec.target.rsplit(".", 1)
+        cls = pkgutil.resolve_name(owner)
+        monkeypatch.setattr(cls, name, cls.__dict__[name])
+    monkeypatch.setenv(ENV_VAR, encode_config(CFG))
+    HookRegistry.reset()
+    register()
+    HookRegistry.apply_hooks()
+    req_to_token_pool, kv_pool, allocator = sglang_pools(rows=3, size=64, layers=2, kv_heads=2, head_dim=8,
+                                                         max_len=96)
+    layers = torch.nn.ModuleList([RadixAttention(4, 8, 1.0, 2, layer_id=i) for i in range(2)])
+    runner = SimpleNamespace(
+        server_args=good_server_args(enable_memory_saver=False), model=layers, dtype=torch.float32,
+        model_config=SimpleNamespace(attention_arch=SimpleNamespace(name="MHA"), num_attention_heads=4),
+        is_hybrid_swa=False, mambaish_config=None, model_is_mrope=False, is_draft_worker=False,
+        req_to_token_pool=req_to_token_pool, token_to_kv_pool=kv_pool, token_to_kv_pool_allocator=allocator)
+    from sglang_patches.hooks import after_alloc_memory_pool
+
+    after_alloc_memory_pool(None, runner)
+    runtime = getattr(req_to_token_pool, RUNTIME_ATTR)
+    assert runtime.rings.shape == (2, 4, CFG.window, 4, 8)  # layers, req rows (padding row too), window, Hq, d
+    assert all(getattr(layer, RING_ATTR).data_ptr() == runtime.rings[i].data_ptr() for i, layer in enumerate(layers))
+    fb = SimpleNamespace(forward_mode=Mode(True), req_pool_indices=torch.tensor([2]), positions=torch.tensor([5]))
+    q = torch.randn(1, 32)
+    with pytest.raises(Exception):  # no attention backend on this CPU: SGLang's own forward cannot run
+        layers[1](q, torch.randn(1, 16), torch.randn(1, 16), fb)
+    assert torch.equal(runtime.rings[1, 2, 5 % CFG.window], q.view(4, 8))
+    assert runtime.rings[0].eq(0).all()
+    HookRegistry.reset()
