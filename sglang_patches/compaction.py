@@ -100,15 +100,13 @@ class Compaction:
 class Compactor:
     """Compacts the req_to_token rows of requests that hold the same number of slots, to the budget, in one call.
 
-    key_buffers: SGLang's per-layer K buffers (MHATokenToKVPool.get_key_buffer); rings: our query rings. Under
-    granularity 'model' (the only one SGLang can express, settings.py) every layer and head keeps one set per
-    request. H2O scores without accumulated mass (SGLang's kernels do not expose attention weights): the window
-    approximation of its scorer.
+    key_buffers: SGLang's per-layer K buffers (MHATokenToKVPool.get_key_buffer); rings: our query rings. Every layer
+    and head keeps one set per request: the plugin's config is held to granularity 'model' by
+    settings.check_sglang_kv_config, the one place of that rule. H2O scores without accumulated mass (SGLang's
+    kernels do not expose attention weights): the window approximation of its scorer.
     """
 
     def __init__(self, cfg: KVCompressConfig, req_to_token: Tensor, key_buffers: list[Tensor], rings: Tensor) -> None:
-        if cfg.granularity != "model":
-            raise ValueError(f"--kv-granularity={cfg.granularity!r}: SGLang compaction needs 'model' (one set per request)")
         self.cfg, self.req_to_token, self.key_buffers, self.rings = cfg, req_to_token, key_buffers, rings
         self.scorer = cfg.scorer
         self.uses_queries = self.scorer.needs_queries or self.scorer.tracks_mass
