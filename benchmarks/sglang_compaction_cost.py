@@ -15,7 +15,7 @@ the default shape is Qwen2.5-7B's layers and heads with a small head dim and bud
 
 On CPU a device-to-host copy is no copy, so the loop's `kept.to("cpu")` (one more wait per request on a GPU) is not
 in its sync column; on CUDA the column counts what `torch.cuda.set_sync_debug_mode` reports instead. --check: the
-loop and the batched call leave the same kept slots and free list on twin scenes, and (CUDA) the batched compaction
+loop and the batched call leave the same kept slots, free list and eviction records on twin scenes, and (CUDA) the batched compaction
 captured in a CUDA graph and replayed does what it does eagerly.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -119,14 +120,16 @@ def measure(cfg: KVCompressConfig, due: int, variant: str, args: argparse.Namesp
 
 
 def check(cfg: KVCompressConfig, due: int, args: argparse.Namespace) -> str:
-    """Loop and batched on twin scenes: same kept slots, same free list? On CUDA: the batched device part captured
+    """Loop and batched on twin scenes: same kept slots, free list and records? On CUDA: the batched device part captured
     in a CUDA graph, replayed from the same state, equal to its eager run?"""
     with torch.no_grad():
         (rt_a, a), (rt_b, b) = scene(cfg, due, args), scene(cfg, due, args)
         compact_batch_per_request(rt_a, a)
         rt_b.compact_batch(b)
         same = (torch.equal(rt_a.req_to_token, rt_b.req_to_token)
-                and torch.equal(rt_a.allocator.free_pages, rt_b.allocator.free_pages))
+                and torch.equal(rt_a.allocator.free_pages, rt_b.allocator.free_pages)
+                and [pickle.loads(pickle.dumps(r.customized_info)) for r in b.reqs]  # records, as SGLang ships them
+                == [r.customized_info for r in a.reqs])
         verdict = f"loop == batched: {same}"
         if not args.device.startswith("cuda"):
             return verdict
