@@ -9,9 +9,11 @@ list is indexed by output token: entry i belongs to the decode step that produce
 - RETRACTED where a retraction dropped a compressed cache (the request is re-prefilled densely, which no eviction
   record can express);
 - 0 elsewhere (SGLang pads with None for chunks where a request had no entries yet: both mean "nothing").
-Each entry carries its own start, so decoding does not depend on where the padding fell.
+Each entry carries its own start, so decoding does not depend on where the padding fell. In the scheduler a
+compression's entry is a `PendingEntry` until SGLang pickles it for the wire (its bits are copied from the device
+without waiting); everything past the pickle sees plain lists.
 
-Why the bits are the record's own: compact_row keeps the row in token order, so before compression e the row holds
+Why the bits are the record's own: the compaction keeps the row in token order, so before compression e the row holds
 exactly kv.record's H_e (what compression e-1 kept, then the tokens appended since), and the kept physical slots
 index H_e. SGLang keeps one set per request for every layer and head (granularity 'model'): a (1, 1, B) record.
 
@@ -36,10 +38,45 @@ class NotRecordable(ValueError):
 
 
 def eviction_entry(start: int, held: int, kept: Tensor) -> list[Any]:
-    """The JSON-safe entry of one compression: `kept` = sorted slots in [0, held) of the row that stay."""
+    """The JSON-safe entry of one compression from its kept slots (sorted, in [0, held)), encoded on the host: the
+    reference for what the plugin ships (`PendingEntry`), and what the test servers send."""
     bits = torch.zeros(held, dtype=torch.bool)
     bits[kept.to("cpu", torch.int64)] = True
-    return [int(start), int(held), base64.b64encode(pack_bits(bits).numpy().tobytes()).decode("ascii")]
+    return [int(start), int(held), _b64(pack_bits(bits))]
+
+
+def _b64(packed: Tensor) -> str:
+    return base64.b64encode(packed.numpy().tobytes()).decode("ascii")
+
+
+class PendingEntry:
+    """One compression's entry whose keep bits (packed on the device by `kv.record.pack_rows`) are still on their way
+    to the host: `packed` is their row of a pinned buffer the copy fills, `ready` (a device event recorded after the
+    copy, None on CPU) says when.
+
+    It becomes the plain [start, held, bits] list when SGLang pickles customized_info to stream it (`__reduce__`):
+    by then SGLang has waited for the step's sampled tokens, which the device produced after the copy (same stream),
+    so waiting on `ready` first costs nothing; the compaction itself never waits.
+    """
+
+    __slots__ = ("_entry", "held", "packed", "ready", "start")
+
+    def __init__(self, start: int, held: int, packed: Tensor, ready: Any = None) -> None:
+        self.start, self.held, self.packed, self.ready, self._entry = start, held, packed, ready, None
+
+    def resolve(self) -> list[Any]:
+        if self._entry is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self._entry = [self.start, self.held, _b64(self.packed[: (self.held + 7) // 8])]
+            self.packed = self.ready = None  # the pinned buffer can go
+        return self._entry
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return list, (self.resolve(),)
+
+    def __repr__(self) -> str:
+        return f"PendingEntry(start={self.start}, held={self.held})"
 
 
 def append_at(history: list[Any], index: int, entry: Any) -> None:

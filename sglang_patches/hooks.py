@@ -4,46 +4,34 @@ HookRegistry conventions (sglang/srt/plugins/hook_registry.py): AFTER hooks get 
 return a replacement result (None keeps it); AROUND hooks get (original_fn, *args, **kwargs). For methods, args[0]
 is the instance (the class, for the classmethod ForwardBatch.init_new).
 
-Every hook is a no-op when this process has no SparseKVRuntime (compression off, or a process without a
-ModelRunner such as the tokenizer manager).
+No module state: each hook finds this process's SparseKVRuntime on an object SGLang hands it (the batch's, the
+adder's tree cache's or the model runner's ReqToTokenPool; the attention layer's own ring) and passes through when
+there is none (compression off, or a process without a ModelRunner such as the tokenizer manager).
 """
 from __future__ import annotations
 
+import inspect
+import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from .admission import new_request_decode_reservation, running_request_need, slots_freed_by_next_compaction
-from .preconditions import SparseKVPreconditionError, check_model_runner, check_server_args, raise_if_problems
-from .runtime import SparseKVRuntime, reset_request, wants_dense
+from .preconditions import SparseKVPreconditionError, check_model_runner, raise_if_problems
+from .runtime import RING_ATTR, SparseKVRuntime, capture_queries, runtime_of, wants_dense
 from .settings import config_from_environ
 from .version import SGLANG_VERSION
-
-_runtime: SparseKVRuntime | None = None
-
-
-def get_runtime() -> SparseKVRuntime | None:
-    return _runtime
-
-
-def set_runtime(runtime: SparseKVRuntime | None) -> None:
-    global _runtime
-    _runtime = runtime
 
 
 # ------------------------------------------------------------------------------------------------------------------
 # Start-up: refuse unsupported configurations, allocate the query rings
 # ------------------------------------------------------------------------------------------------------------------
-def after_server_args_post_init(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
-    """ServerArgs.__post_init__ (AFTER): fail in the launching process, before any worker starts."""
-    verify_hooks_applied()
-    raise_if_problems(check_server_args(server_args), "server arguments")
-
-
 def after_alloc_memory_pool(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> None:
-    """ModelRunner.alloc_memory_pool (AFTER): check the loaded model and pools, then build this process's runtime.
+    """ModelRunner.alloc_memory_pool (AFTER): check flags, model and pools, then build this process's runtime.
 
-    Runs before CUDA-graph capture, so the rings exist (at fixed addresses) when the decode graph records the
-    capture writes. They live in the KV-cache memory-saver region, released and resumed with the KV cache.
+    Runs in each scheduler process after the model is loaded and before CUDA-graph capture, so the rings exist (at
+    fixed addresses) when the decode graph records the capture writes. They live in the KV-cache memory-saver region,
+    released and resumed with the KV cache.
     """
     cfg = config_from_environ()
     if cfg is None:
@@ -51,20 +39,20 @@ def after_alloc_memory_pool(result: Any, model_runner: Any, *args: Any, **kwargs
     verify_hooks_applied()
     raise_if_problems(check_model_runner(model_runner), "scheduler process")
     from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
+    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
 
     saver = TorchMemorySaverAdapter.create(enable=model_runner.server_args.enable_memory_saver)
-    set_runtime(
-        SparseKVRuntime.allocate(
-            cfg,
-            model_runner.req_to_token_pool,
-            model_runner.token_to_kv_pool,
-            model_runner.token_to_kv_pool_allocator,
-            num_q_heads=model_runner.model_config.num_attention_heads,  # TP 1 (precondition): all heads local
-            dtype=model_runner.dtype,
-            memory_region=saver.region(GPU_MEMORY_TYPE_KV_CACHE),
-        )
+    runtime = SparseKVRuntime.allocate(
+        cfg,
+        model_runner.req_to_token_pool,
+        model_runner.token_to_kv_pool,
+        model_runner.token_to_kv_pool_allocator,
+        num_q_heads=model_runner.model_config.num_attention_heads,  # TP 1 (precondition): all heads local
+        dtype=model_runner.dtype,
+        memory_region=saver.region(GPU_MEMORY_TYPE_KV_CACHE),
     )
+    runtime.attach(m for m in model_runner.model.modules() if isinstance(m, RadixAttention))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -74,9 +62,9 @@ def around_radix_attention_forward(
     original: Callable, layer: Any, q: Any, k: Any, v: Any, forward_batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """RadixAttention.forward (AROUND): q arrives post-RoPE; keep the last `window` of them per request."""
-    runtime = _runtime
-    if runtime is not None:
-        runtime.capture_queries(layer.layer_id - getattr(runtime.kv_pool, "start_layer", 0), q, forward_batch)
+    ring = getattr(layer, RING_ATTR, None)
+    if ring is not None:
+        capture_queries(ring, q, forward_batch)
     return original(layer, q, k, v, forward_batch, *args, **kwargs)
 
 
@@ -84,9 +72,11 @@ def around_prepare_for_decode(original: Callable, batch: Any, *args: Any, **kwar
     """ScheduleBatch.prepare_for_decode (AROUND): compact before SGLang allocates the next slot at seq_lens.
 
     SGLang then writes the new token's slot at req_to_token[row, seq_len] and adds 1 to seq_lens / seq_lens_cpu /
-    kv_committed_len / kv_allocated_len, all of which we have just shrunk consistently.
+    kv_committed_len / kv_allocated_len, all of which we have just shrunk consistently. This runs in the scheduler,
+    before the forward, so the compaction is never inside a captured CUDA graph: the graph replays with the page
+    table SGLang's backend rebuilds from the compacted req_to_token (sglang_patches/README.md, CUDA graphs).
     """
-    runtime = _runtime
+    runtime = runtime_of(batch.req_to_token_pool)
     if runtime is None or not batch.spec_algorithm.is_none():
         return original(batch, *args, **kwargs)
     runtime.compact_batch(batch)
@@ -95,24 +85,18 @@ def around_prepare_for_decode(original: Callable, batch: Any, *args: Any, **kwar
     return result
 
 
-def after_forward_batch_init_new(result: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """ForwardBatch.init_new (AFTER): decode positions = seq_lens - 1 + evicted, the token's logical index."""
-    runtime = _runtime
-    if runtime is not None and result.forward_mode.is_decode():
+def after_forward_batch_init_new(result: Any, cls: Any, batch: Any, model_runner: Any, *args: Any,
+                                 **kwargs: Any) -> Any:
+    """ForwardBatch.init_new (AFTER): decode positions = seq_lens - 1 + evicted, the token's logical index; an
+    extend batch restarts any retracted request dense (the only way a request that evicted tokens is prefilled)."""
+    runtime = runtime_of(model_runner.req_to_token_pool)
+    if runtime is None:
+        return result
+    if result.forward_mode.is_decode():
         result.positions = runtime.logical_decode_positions(result.positions, batch.reqs)
+    elif result.forward_mode.is_extend():
+        runtime.start_prefill(batch.reqs)
     return result
-
-
-def after_flush_cache(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
-    """Scheduler.flush_cache (AFTER): a successful flush means no request is alive; clear the rings."""
-    runtime = _runtime
-    if runtime is not None and result:
-        runtime.reset()
-
-
-def after_reset_for_retract(result: Any, req: Any, *args: Any, **kwargs: Any) -> None:
-    """Req.reset_for_retract (AFTER): the request is re-prefilled densely, so nothing is evicted any more."""
-    reset_request(req)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -128,7 +112,7 @@ def around_running_request_offset(original: Callable, adder: Any, req: Any, *arg
     (preempt_to_schedule), so preemption accounting stays consistent.
     """
     reserved = original(adder, req, *args, **kwargs)
-    runtime = _runtime
+    runtime = runtime_of(adder.tree_cache.req_to_token_pool)
     if runtime is None or wants_dense(req):
         return reserved
     need = running_request_need(req, runtime.cfg, dense=False)
@@ -137,7 +121,7 @@ def around_running_request_offset(original: Callable, adder: Any, req: Any, *arg
 
 def _new_request_credit(adder: Any, req: Any) -> int:
     """How much less than SGLang's min(max_new_tokens, CLIP) a waiting request needs to reserve for its decode."""
-    runtime = _runtime
+    runtime = runtime_of(adder.tree_cache.req_to_token_pool)
     if runtime is None or wants_dense(req) or adder.dllm_config is not None:  # dLLM reserves no decode tokens
         return 0
     from sglang.srt.managers.schedule_policy import CLIP_MAX_NEW_TOKENS
@@ -192,7 +176,7 @@ def around_check_decode_mem(original: Callable, batch: Any, selected_indices: li
     """
     if original(batch, selected_indices=selected_indices):
         return True
-    runtime = _runtime
+    runtime = runtime_of(batch.req_to_token_pool)
     if runtime is None or not batch.spec_algorithm.is_none():
         return False
     reqs = batch.reqs if selected_indices is None else [batch.reqs[i] for i in selected_indices]
@@ -213,13 +197,10 @@ class HookSpec:
 
 
 HOOKS: tuple[HookSpec, ...] = (
-    HookSpec("sglang.srt.server_args.ServerArgs.__post_init__", after_server_args_post_init, "AFTER"),
     HookSpec("sglang.srt.model_executor.model_runner.ModelRunner.alloc_memory_pool", after_alloc_memory_pool, "AFTER"),
     HookSpec("sglang.srt.layers.radix_attention.RadixAttention.forward", around_radix_attention_forward, "AROUND"),
     HookSpec("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_decode", around_prepare_for_decode, "AROUND"),
     HookSpec("sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new", after_forward_batch_init_new, "AFTER"),
-    HookSpec("sglang.srt.managers.scheduler.Scheduler.flush_cache", after_flush_cache, "AFTER"),
-    HookSpec("sglang.srt.managers.schedule_batch.Req.reset_for_retract", after_reset_for_retract, "AFTER"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder._get_running_request_total_token_offset",
              around_running_request_offset, "AROUND"),
     HookSpec("sglang.srt.managers.schedule_policy.PrefillAdder.add_one_req", around_add_one_req, "AROUND"),
@@ -228,15 +209,30 @@ HOOKS: tuple[HookSpec, ...] = (
 )
 
 
+def hook_installed(spec: HookSpec) -> bool:
+    """The attribute SGLang calls at spec.target runs spec.hook: one of the wrappers HookRegistry chained in front
+    of the original (each `__wrapped__` by the next, our hook among its closure's values) is ours."""
+    owner, name = spec.target.rsplit(".", 1)
+    attr = inspect.getattr_static(pkgutil.resolve_name(owner), name, None)
+    fn = attr.__func__ if isinstance(attr, (classmethod, staticmethod)) else attr
+    while fn is not None:
+        for cell in getattr(fn, "__closure__", None) or ():
+            try:
+                if cell.cell_contents is spec.hook:
+                    return True
+            except ValueError:  # an empty cell
+                continue
+        fn = getattr(fn, "__wrapped__", None)
+    return False
+
+
 def verify_hooks_applied() -> None:
-    """Raise if HookRegistry could not apply one of our hooks (apply_hooks only logs such failures).
+    """Raise if one of our hooks is not in place (HookRegistry.apply_hooks only logs a target it cannot patch).
 
-    A missing hook would silently serve dense or, worse, half-patched generation; the start-up hooks call this
-    in every process, after load_plugins() has applied the hooks.
+    A missing hook would silently serve dense or, worse, half-patched generation; the start-up hook calls this in
+    every scheduler process, after load_plugins() has applied the hooks.
     """
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    missing = [spec.target for spec in HOOKS if spec.target not in HookRegistry._patched]
+    missing = [spec.target for spec in HOOKS if not hook_installed(spec)]
     if missing:
         raise SparseKVPreconditionError(
             f"slime_sparse hooks were not applied to {missing}: the installed SGLang does not match "

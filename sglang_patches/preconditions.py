@@ -1,9 +1,11 @@
 """What must hold for req_to_token compaction to be correct; checked before SGLang serves anything.
 
-Two checks, both duck-typed (getattr on SGLang's objects, so tests drive them with plain namespaces):
-- check_server_args: flags, in the launching process (ServerArgs.__post_init__ hook) and again in each scheduler
-  process, which gets the resolved arguments;
-- check_model_runner: what only the loaded model and its pools reveal (attention type, pool classes, layout).
+Two checks, both duck-typed (getattr on SGLang's objects, so tests drive them with plain namespaces), run in each
+scheduler process by the ModelRunner.alloc_memory_pool hook, before the server serves anything (our launcher passes
+the flags they ask for, slime_sparse/rollout/sglang/launch.py):
+- check_server_args: flags, as resolved by the scheduler;
+- check_model_runner: those, and what only the loaded model and its pools reveal (attention type, pool classes,
+  layout).
 Each returns a list of human-readable problems; `raise_if_problems` turns them into one clear error.
 """
 from __future__ import annotations

@@ -132,3 +132,18 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
         seconds = r["seconds"]
         assert sum(seconds[p] for p in (*bench.PHASES, "other")) == pytest.approx(seconds["step"], rel=1e-9)
         assert 0 <= seconds["other"] <= 0.05 * seconds["step"], r
+
+
+def test_sglang_compaction_cost_ci_rows(capsys):
+    """The cost model's table: the loop's ops and syncs grow with the due requests, the batched call's do not (one
+    call here), and it never syncs; --check finds the loop and the batched call leave the same cache."""
+    bench = load("sglang_compaction_cost")
+    assert bench.main(["--methods", "snapkv", "--due", "1", "4", "--layers", "3", "--check"]) == 0
+    out = capsys.readouterr().out
+    header, _, *rows = [line for line in out.splitlines() if line.startswith("|")]
+    table = [dict(zip(cells(header), cells(line))) for line in rows]
+    assert [r["due requests"] for r in table] == ["1", "4"]
+    one, four = table
+    assert int(four["loop ops"]) > 3 * int(one["loop ops"]) and four["batched ops"] == one["batched ops"]
+    assert int(four["loop syncs"]) == 4 and four["batched syncs"] == one["batched syncs"] == "0"
+    assert out.count("loop == batched: True") == 2

@@ -21,6 +21,7 @@ from sglang_patches.admission import (
     slots_freed_by_next_compaction,
 )
 from sglang_patches.hooks import HOOKS, around_check_decode_mem, around_running_request_offset
+from sglang_patches.runtime import RUNTIME_ATTR
 from sglang_patches.settings import DENSE_REQUEST_PARAM, ENV_VAR, encode_config
 from slime_sparse.kv import KVCompressConfig
 
@@ -123,32 +124,39 @@ def fake_req(generated: int, cache_len: int, max_new: int = 100, prompt_len: int
                            sampling_params=SimpleNamespace(max_new_tokens=max_new, custom_params=custom))
 
 
-@pytest.fixture
-def admission_runtime():
-    hooks.set_runtime(SimpleNamespace(cfg=CFG))  # the admission hooks read only the config
-    yield
-    hooks.set_runtime(None)
+def attach(req_to_token_pool) -> None:
+    """What after_alloc_memory_pool does to the process's ReqToTokenPool; the admission hooks read only the config."""
+    setattr(req_to_token_pool, RUNTIME_ATTR, SimpleNamespace(cfg=CFG))
 
 
-def test_running_offset_hook_only_lowers_compressed_reservations(admission_runtime):
+def detach(req_to_token_pool) -> None:
+    delattr(req_to_token_pool, RUNTIME_ATTR)
+
+
+def test_running_offset_hook_only_lowers_compressed_reservations():
     def sglang(adder, req):  # SGLang's formula with new_token_ratio 0.5
         return min(req.sampling_params.max_new_tokens - len(req.output_ids), 4096) * 0.5
 
-    assert around_running_request_offset(sglang, None, fake_req(5, 14)) == 6  # min(47.5, 20 - 14)
-    assert around_running_request_offset(sglang, None, fake_req(5, 14, max_new=9)) == 2  # SGLang's 2 is smaller
-    assert around_running_request_offset(sglang, None, fake_req(5, 14, dense=True)) == 47.5
-    hooks.set_runtime(None)
-    assert around_running_request_offset(sglang, None, fake_req(5, 14)) == 47.5
+    pool = SimpleNamespace()
+    adder = SimpleNamespace(tree_cache=SimpleNamespace(req_to_token_pool=pool))
+    attach(pool)
+    assert around_running_request_offset(sglang, adder, fake_req(5, 14)) == 6  # min(47.5, 20 - 14)
+    assert around_running_request_offset(sglang, adder, fake_req(5, 14, max_new=9)) == 2  # SGLang's 2 is smaller
+    assert around_running_request_offset(sglang, adder, fake_req(5, 14, dense=True)) == 47.5
+    detach(pool)
+    assert around_running_request_offset(sglang, adder, fake_req(5, 14)) == 47.5
 
 
-def test_decode_mem_hook_counts_slots_compaction_frees(admission_runtime):
+def test_decode_mem_hook_counts_slots_compaction_frees():
     reqs = [fake_req(9, 20), fake_req(9, 20), fake_req(9, 20, dense=True), fake_req(9, 12)]
     batch = SimpleNamespace(reqs=reqs, spec_algorithm=SimpleNamespace(is_none=lambda: True),
                             token_to_kv_pool_allocator=SimpleNamespace(available_size=lambda: 0),
-                            new_tokens_required_next_decode=lambda sel=None: len(reqs if sel is None else sel))
+                            new_tokens_required_next_decode=lambda sel=None: len(reqs if sel is None else sel),
+                            req_to_token_pool=SimpleNamespace())
+    attach(batch.req_to_token_pool)
     assert around_check_decode_mem(lambda b, selected_indices=None: False, batch)  # 0 free + 2 * 4 freed >= 4
     assert not around_check_decode_mem(lambda b, selected_indices=None: False, batch, selected_indices=[2, 3])
-    hooks.set_runtime(None)
+    detach(batch.req_to_token_pool)
     assert not around_check_decode_mem(lambda b, selected_indices=None: False, batch)
 
 
@@ -183,9 +191,7 @@ def sglang_env(monkeypatch):
     register()
     HookRegistry.apply_hooks()
     hooks.verify_hooks_applied()
-    hooks.set_runtime(SimpleNamespace(cfg=CFG))  # what after_alloc_memory_pool builds; admission reads cfg only
     yield
-    hooks.set_runtime(None)
     HookRegistry.reset()
     reset_context()
 
@@ -222,14 +228,15 @@ def sglang_scene(running: list, rem_chunk_tokens: int | None = None):
         assert allocator.alloc(req.kv_committed_len) is not None
     batch = ScheduleBatch.__new__(ScheduleBatch)  # only the fields admission and check_decode_mem read
     batch.reqs, batch.token_to_kv_pool_allocator, batch.tree_cache = running, allocator, tree_cache
-    batch.spec_algorithm = SpeculativeAlgorithm.NONE
+    batch.spec_algorithm, batch.req_to_token_pool = SpeculativeAlgorithm.NONE, req_pool
+    attach(req_pool)  # what after_alloc_memory_pool builds
 
     def new_adder() -> PrefillAdder:
         return PrefillAdder(page_size=1, tree_cache=tree_cache, token_to_kv_pool_allocator=allocator,
                             running_batch=batch, new_token_ratio=RATIO, rem_input_tokens=10_000,
                             rem_chunk_tokens=rem_chunk_tokens)
 
-    return new_adder, batch, allocator, tree_cache
+    return new_adder, batch, allocator, tree_cache, req_pool
 
 
 def admit_all(adder, tree_cache, waiting: list) -> int:
@@ -255,10 +262,10 @@ def running_batch_reqs() -> list:
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_running_compressed_requests_reserve_the_budget_bound(sglang_env):
-    new_adder, *_ = sglang_scene(running_batch_reqs())
+    new_adder, *_, req_pool = sglang_scene(running_batch_reqs())
     # compressed: min(47.5, cap 20 - 14) = 6 each; dense opt-out: SGLang's 47.5
     assert new_adder().rem_total_token_offset == 6 + 6 + 47.5
-    hooks.set_runtime(None)  # hooks inert: SGLang's own numbers
+    detach(req_pool)  # hooks inert: SGLang's own numbers
     assert new_adder().rem_total_token_offset == 3 * 47.5
 
 
@@ -266,18 +273,18 @@ def test_running_compressed_requests_reserve_the_budget_bound(sglang_env):
 @pytest.mark.slow
 def test_more_requests_admitted_from_a_fixed_pool(sglang_env):
     running = running_batch_reqs()
-    new_adder, _, allocator, tree_cache = sglang_scene(running)
+    new_adder, _, allocator, tree_cache, req_pool = sglang_scene(running)
     assert allocator.available_size() == POOL - 42
     waiting = [sglang_request(f"w{i}") for i in range(30)]  # prompt 10, max_new_tokens 100
 
     # Unhooked: free 358 - 142.5 reserved = 215.5; each new request needs 10 + 100 + 1 (page) = 111 < what is
     # left, so the first fits (215.5 -> 104.5) and the second does not: 1 request.
-    hooks.set_runtime(None)
+    detach(req_pool)
     assert admit_all(new_adder(), tree_cache, waiting) == 1
 
     # Hooked: free 358 - 59.5 reserved = 298.5; each new request needs 10 + (20 - 10) + 1 = 21, admitted while
     # 21 < 298.5 - 21 k: k = 0..13, i.e. 14 requests (298.5 - 14 * 21 = 4.5 is left).
-    hooks.set_runtime(SimpleNamespace(cfg=CFG))
+    attach(req_pool)
     adder = new_adder()
     assert admit_all(adder, tree_cache, waiting) == 14
     assert adder.rem_total_tokens == pytest.approx(4.5)
@@ -293,7 +300,7 @@ def test_more_requests_admitted_from_a_fixed_pool(sglang_env):
 @pytest.mark.sglang
 @pytest.mark.slow
 def test_chunked_prompt_reserves_the_bound_only_with_its_last_chunk(sglang_env):
-    new_adder, _, _, tree_cache = sglang_scene([], rem_chunk_tokens=6)
+    new_adder, _, _, tree_cache, _ = sglang_scene([], rem_chunk_tokens=6)
     adder = new_adder()
     req = sglang_request("long")
     req.init_next_round_input(tree_cache)
@@ -313,10 +320,10 @@ def test_chunked_prompt_reserves_the_bound_only_with_its_last_chunk(sglang_env):
 def test_decode_memory_check_counts_compaction(sglang_env):
     at_trigger = [sglang_request(f"t{i}", 9, 20) for i in range(3)]  # cache at cap: the next step frees 4 each
     dense = sglang_request("d", 9, 20, dense=True)
-    _, batch, allocator, _ = sglang_scene(at_trigger + [dense])
+    _, batch, allocator, _, req_pool = sglang_scene(at_trigger + [dense])
     allocator.alloc(allocator.available_size())  # pool full: each request wants one slot for its next token
     assert batch.check_decode_mem()  # 0 free + 3 * 4 freed by compaction >= 4
     assert batch.check_decode_mem(selected_indices=[3, 0])  # 4 freed by t0 >= 2
     assert not batch.check_decode_mem(selected_indices=[3])  # the dense request frees nothing
-    hooks.set_runtime(None)
+    detach(req_pool)
     assert not batch.check_decode_mem()  # SGLang alone would retract

@@ -1,6 +1,7 @@
 """Compaction and position logic of the SGLang budgeted KV cache, on pools with SGLang's exact layout.
 
-The decode-loop tests drive sglang_patches.runtime exactly as the hooks do inside SGLang, with the steps SGLang
+The decode-loop tests drive sglang_patches.runtime exactly as the hooks do inside SGLang (the batched compaction of
+#37; its equality with the per-request one it replaced is tests/test_sglang_batched.py), with the steps SGLang
 itself performs in between (allocation of the next slot at req_to_token[row, seq_len], +1 on every length,
 freeing req_to_token[row, :kv_committed_len] when a request finishes: see the `contract` checks). The pools are
 either layout-identical stand-ins (fast, default) or SGLang's own ReqToTokenPool / MHATokenToKVPool /
@@ -15,23 +16,31 @@ from __future__ import annotations
 import base64
 import json
 import math
+import pickle
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from sglang_pools import replica_pools as _replica_pools
+from sglang_pools import sglang_pools as _sglang_pools
 from sglang_patches.compaction import (
     append_kept_count,
-    compact_row,
-    gather_window_queries,
     shift_positions,
-    window_ring_slots,
+    window_order,
     write_decode_queries,
     write_extend_queries,
 )
 from sglang_patches.evictions import EVICTIONS_INFO_KEY, RETRACTED, NotRecordable, decode_evictions
-from sglang_patches.runtime import EVICTED_ATTR, KEPT_INFO_KEY, SparseKVRuntime, evicted_count, reset_request
+from sglang_patches.runtime import (
+    EVICTED_ATTR,
+    KEPT_INFO_KEY,
+    SparseKVRuntime,
+    capture_queries,
+    evicted_count,
+    reset_request,
+)
 from sglang_patches.settings import DENSE_REQUEST_PARAM
 from slime_sparse.kv import EvictionRecord, KVCompressConfig, compress_indices, should_compress, visible_positions
 
@@ -42,20 +51,14 @@ MAX_LEN = 96
 # ----------------------------------------------------------------------------------------------------------------
 # Pure functions, hand-computed
 # ----------------------------------------------------------------------------------------------------------------
-def test_compact_row_moves_kept_slots_to_front_in_order_and_returns_the_rest():
-    req_to_token = torch.zeros(3, 8, dtype=torch.int32)
-    req_to_token[2, :5] = torch.tensor([11, 5, 9, 3, 7], dtype=torch.int32)
-    freed = compact_row(req_to_token, row=2, length=5, kept=torch.tensor([0, 2, 4]))
-    assert req_to_token[2, :3].tolist() == [11, 9, 7]
-    assert req_to_token.dtype == torch.int32
-    assert sorted(freed.tolist()) == [3, 5] and freed.dtype == torch.int64
-    assert req_to_token[0].eq(0).all() and req_to_token[1].eq(0).all()  # padding row and other rows untouched
+def test_window_order_is_oldest_first():
+    assert window_order(torch.tensor([10, 4]), 4, 4).tolist() == [[2, 3, 0, 1], [0, 1, 2, 3]]  # positions 6..9, 0..3
+    assert window_order(torch.tensor([10]), 2, 4).tolist() == [[0, 1]]  # positions 8, 9
 
 
-def test_window_ring_slots_are_oldest_first():
-    assert window_ring_slots(10, 4).tolist() == [2, 3, 0, 1]  # positions 6, 7, 8, 9
-    assert window_ring_slots(3, 4).tolist() == [0, 1, 2]  # fewer tokens than the window
-    assert window_ring_slots(0, 4).tolist() == []
+def wire(info):
+    """customized_info as SGLang's scheduler -> tokenizer IPC delivers it (pickled), then as JSON over HTTP."""
+    return json.loads(json.dumps(pickle.loads(pickle.dumps(info))))
 
 
 def test_shift_positions_adds_evicted_per_request():
@@ -71,6 +74,12 @@ def test_kept_history_pads_prefill_tokens_with_dense_counts():
     assert history == [10, 11, 12, 13, 7]
 
 
+def ring_queries(buf: torch.Tensor, row: int, logical_len: int) -> torch.Tensor:
+    """The request's last min(window, logical_len) queries [HQ, w, D] in token order."""
+    w = min(buf.shape[1], logical_len)
+    return buf[row, window_order(torch.tensor([logical_len]), w, buf.shape[1])[0]].transpose(0, 1)
+
+
 def test_decode_and_extend_writes_leave_the_last_window_queries_in_order():
     window, rows = 4, 3
     buf = torch.zeros(rows, window, HQ, D)
@@ -78,70 +87,27 @@ def test_decode_and_extend_writes_leave_the_last_window_queries_in_order():
     q = torch.randn(9, HQ, D)
     positions = torch.tensor([4, 5, 6, 0, 1, 2, 3, 4, 5])
     write_extend_queries(buf, torch.tensor([1, 2]), positions, torch.tensor([7, 6]), torch.tensor([3, 6]), q)
-    got2 = gather_window_queries([buf], row=2, logical_len=6)[0]  # [HQ, 4, D]
+    got2 = ring_queries(buf, row=2, logical_len=6)  # [HQ, 4, D]
     assert torch.equal(got2, q[5:9].transpose(0, 1))  # positions 2..5
-    got1 = gather_window_queries([buf], row=1, logical_len=7)[0]
+    got1 = ring_queries(buf, row=1, logical_len=7)
     assert torch.equal(got1[:, 1:], q[0:3].transpose(0, 1))  # positions 4, 5, 6 (3 is from an earlier chunk)
     # decode: the next token of each request
     q_dec = torch.randn(2, HQ, D)
     write_decode_queries(buf, torch.tensor([1, 2]), torch.tensor([7, 6]), q_dec)
-    got2 = gather_window_queries([buf], row=2, logical_len=7)[0]
+    got2 = ring_queries(buf, row=2, logical_len=7)
     assert torch.equal(got2, torch.cat([q[6:9], q_dec[1:]]).transpose(0, 1))
-    assert buf[0].eq(0).all()  # padding row untouched
+    # the extend's older tokens went to row 0, the padding row no request owns (decode padding writes there too)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Pools: SGLang layout stand-ins, or SGLang's own classes
 # ----------------------------------------------------------------------------------------------------------------
-class FreeListAllocator:
-    """Same state and semantics as SGLang's TokenToKVPoolAllocator with page_size 1 and need_sort False."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self.clear()
-
-    def clear(self) -> None:
-        self.free_pages = torch.arange(1, self.size + 1, dtype=torch.int64)  # slot 0 is the padding slot
-
-    def available_size(self) -> int:
-        return len(self.free_pages)
-
-    def alloc(self, need: int) -> torch.Tensor | None:
-        if need > len(self.free_pages):
-            return None
-        out, self.free_pages = self.free_pages[:need], self.free_pages[need:]
-        return out
-
-    def free(self, index: torch.Tensor) -> None:
-        if index.numel():
-            self.free_pages = torch.cat((self.free_pages, index))
-
-
 def replica_pools(rows: int, size: int):
-    req_to_token_pool = SimpleNamespace(req_to_token=torch.zeros(rows + 1, MAX_LEN, dtype=torch.int32))
-    k_buffer = [torch.zeros(size + 1, HKV, D) for _ in range(L)]
-    v_buffer = [torch.zeros(size + 1, HKV, D) for _ in range(L)]
-    kv_pool = SimpleNamespace(
-        k_buffer=k_buffer, v_buffer=v_buffer, layer_num=L, head_num=HKV, head_dim=D, start_layer=0,
-        get_key_buffer=lambda layer: k_buffer[layer], get_value_buffer=lambda layer: v_buffer[layer],
-    )
-    return req_to_token_pool, kv_pool, FreeListAllocator(size)
+    return _replica_pools(rows, size, L, HKV, D, MAX_LEN)
 
 
 def sglang_pools(rows: int, size: int):
-    from sglang_patches.source import activate_cpu_import_env, prepare_cpu_import_env
-
-    activate_cpu_import_env(prepare_cpu_import_env())
-    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-
-    req_to_token_pool = ReqToTokenPool(size=rows, max_context_len=MAX_LEN, device="cpu", enable_memory_saver=False)
-    kv_pool = MHATokenToKVPool(
-        size=size, page_size=1, dtype=torch.float32, head_num=HKV, head_dim=D, layer_num=L, device="cpu",
-        enable_memory_saver=False,
-    )
-    allocator = TokenToKVPoolAllocator(size=size, dtype=torch.float32, device="cpu", kvcache=kv_pool, need_sort=False)
-    return req_to_token_pool, kv_pool, allocator
+    return _sglang_pools(rows, size, L, HKV, D, MAX_LEN)
 
 
 POOLS = [
@@ -192,12 +158,14 @@ class MiniScheduler:
     """dense: indices of requests sent with the per-request opt-out (custom_params), never compressed."""
 
     def __init__(self, cfg: KVCompressConfig, pools, tables: Tables, prompt_lens: list[int],
-                 dense: frozenset[int] = frozenset()):
+                 dense: frozenset[int] = frozenset(), stale_rings: bool = False):
         self.cfg, self.tables, self.dense = cfg, tables, dense
         self.req_to_token_pool, self.kv_pool, self.allocator = pools
         self.runtime = SparseKVRuntime.allocate(
             cfg, self.req_to_token_pool, self.kv_pool, self.allocator, num_q_heads=HQ, dtype=torch.float32
-        )
+        ).attach()
+        if stale_rings:  # what a server that served others (or resumed its memory) holds: never cleared, never read
+            self.runtime.rings.normal_()
         self.size = self.allocator.available_size()
         self.reqs = [
             SimpleNamespace(rid=f"r{i}", origin_input_ids=list(range(n)), output_ids=[], req_pool_idx=i + 1,
@@ -230,12 +198,13 @@ class MiniScheduler:
                              seq_lens=lens, extend_seq_lens=lens)
         for layer in range(L):
             q = torch.cat([self.tables.queries[i, layer, q_tokens[i]] for i in range(len(self.reqs))])
-            self.runtime.capture_queries(layer, q.flatten(1), fb)
+            capture_queries(self.runtime.rings[layer], q.flatten(1), fb)
 
     def decode_step(self) -> SimpleNamespace:
         reqs = self.reqs
         lens = torch.tensor([r.kv_committed_len for r in reqs], dtype=torch.int64)
-        batch = SimpleNamespace(reqs=reqs, seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), seq_lens_sum=int(lens.sum()))
+        batch = SimpleNamespace(reqs=reqs, seq_lens=lens.clone(), seq_lens_cpu=lens.clone(), seq_lens_sum=int(lens.sum()),
+                                req_to_token_pool=self.req_to_token_pool)
         # hook, before SGLang's prepare_for_decode
         self.runtime.compact_batch(batch)
         self._expect_compaction(lens)
@@ -261,7 +230,7 @@ class MiniScheduler:
         fb = SimpleNamespace(forward_mode=Mode("decode"), req_pool_indices=rows, positions=positions)
         for layer in range(L):
             q = torch.stack([self.tables.queries[i, layer, int(positions[i])] for i in range(len(reqs))])
-            self.runtime.capture_queries(layer, q.flatten(1), fb)
+            capture_queries(self.runtime.rings[layer], q.flatten(1), fb)
         for r in reqs:
             r.output_ids.append(0)
         return batch
@@ -321,7 +290,8 @@ SNAP_KVPRESS = KVCompressConfig.from_preset("kvpress", method="snapkv", budget=1
 @pytest.mark.parametrize("cfg", [RKV, SNAP, KEYDIFF, SNAP_KVPRESS], ids=["rkv", "snapkv", "keydiff", "snapkv-kvpress"])
 def test_decode_loop_compacts_like_the_reference_without_leaks(make_pools, cfg):
     prompt_lens = [5, 23, 14]  # below, above and between budget and budget + buffer
-    sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens)), prompt_lens)
+    sched = MiniScheduler(cfg, make_pools(rows=4, size=160), Tables.random(len(prompt_lens)), prompt_lens,
+                          stale_rings=True)
     sched.prefill()
     sched.check_invariants()
     for _ in range(30):
@@ -389,7 +359,7 @@ def test_kept_history_follows_the_budget_cycle():
     assert len(history) == len(sched.reqs[0].output_ids)
 
 
-def test_reset_request_and_runtime_reset():
+def test_reset_request():
     req = SimpleNamespace(customized_info=None, output_ids=[0, 0, 0])
     setattr(req, EVICTED_ATTR, 7)
     reset_request(req)
@@ -398,13 +368,6 @@ def test_reset_request_and_runtime_reset():
     assert req.customized_info[EVICTIONS_INFO_KEY] == [0, 0, 0, RETRACTED]
     reset_request(req)  # nothing evicted any more: nothing to say
     assert req.customized_info[EVICTIONS_INFO_KEY] == [0, 0, 0, RETRACTED]
-    sched = MiniScheduler(RKV, replica_pools(rows=1, size=64), Tables.random(1), [8])
-    sched.prefill()
-    sched.decode_step()
-    assert any(buf.abs().sum() > 0 for buf in sched.runtime.q_buffers)
-    sched.runtime.reset()
-    assert all(buf.eq(0).all() for buf in sched.runtime.q_buffers)
-    assert sched.runtime.counters.compressions == 0
 
 
 @pytest.mark.parametrize("cfg", [RKV, SNAP, KEYDIFF, SNAP_KVPRESS], ids=["rkv", "snapkv", "keydiff", "snapkv-kvpress"])
@@ -449,7 +412,7 @@ def test_shipped_evictions_are_what_the_compaction_kept_and_what_each_token_read
             assert [e for e in history[:n_sent] if e] == entries
             sent[i] = (len(r.output_ids), [e for e in history[: len(r.output_ids)] if e])
     for i, r in enumerate(sched.reqs):
-        meta = json.loads(json.dumps(r.customized_info))  # what meta_info carries over HTTP
+        meta = wire(r.customized_info)  # what meta_info carries over HTTP
         record = decode_evictions(meta[EVICTIONS_INFO_KEY])
         events = sched.expected.events[i]
         assert len(events) >= 2  # two compressions or more, with evictions in between
@@ -476,11 +439,11 @@ def test_a_dense_request_ships_no_record_and_a_retracted_one_none_it_can_misstat
         sched.decode_step()
     sparse, dense = sched.reqs
     assert EVICTIONS_INFO_KEY not in dense.customized_info
-    entries = sparse.customized_info[EVICTIONS_INFO_KEY]
+    entries = wire(sparse.customized_info)[EVICTIONS_INFO_KEY]
     assert decode_evictions(entries) is not None
     reset_request(sparse)  # SGLang retracts it: re-prefilled densely, so later tokens see everything again
     with pytest.raises(NotRecordable, match="retracted"):
-        decode_evictions(sparse.customized_info[EVICTIONS_INFO_KEY])
+        decode_evictions(wire(sparse.customized_info)[EVICTIONS_INFO_KEY])
 
 
 def test_decoding_refuses_entries_the_plugin_cannot_have_sent():
@@ -488,7 +451,7 @@ def test_decoding_refuses_entries_the_plugin_cannot_have_sent():
     sched.prefill()
     for _ in range(24):
         sched.decode_step()
-    entries = [e for e in sched.reqs[0].customized_info[EVICTIONS_INFO_KEY] if e]
+    entries = [e for e in wire(sched.reqs[0].customized_info)[EVICTIONS_INFO_KEY] if e]
     assert len(entries) >= 3
     with pytest.raises(ValueError, match="an event was lost"):
         decode_evictions(entries[:1] + entries[2:])

@@ -82,3 +82,15 @@ def test_contract_detects_a_changed_admission_reservation(package_dir, tmp_path)
     assert run_check(check, package_dir) == []
     problems = run_check(check, tmp_path)
     assert len(problems) == 1 and old in problems[0]
+
+
+def test_private_hooks_are_listed_with_the_versions_they_were_read_in(monkeypatch):
+    private = {spec.target for spec in HOOKS if contract.is_private(spec.target)}
+    assert private == set(contract.PRIVATE_HOOKS) and len(private) == 1  # the rest are public methods
+    assert all(SGLANG_VERSION in versions for versions in contract.PRIVATE_HOOKS.values())
+    assert contract.private_hooks_listed() == []
+    assert not contract.is_private("sglang.srt.server_args.ServerArgs.__post_init__")  # dunders are public
+    monkeypatch.setattr(contract, "PRIVATE_HOOKS", {})
+    assert contract.private_hooks_listed() == [f"hook target {t}: private, not listed in PRIVATE_HOOKS" for t in private]
+    monkeypatch.setattr(contract, "PRIVATE_HOOKS", {t: ("0.5.23",) for t in private})
+    assert "not read in the pinned" in contract.private_hooks_listed()[0]

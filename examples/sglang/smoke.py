@@ -9,7 +9,9 @@ A tiny Qwen2 config with random weights (--load-format dummy, fixed seed inside 
    allocator returns to full (SGLang's idle leak check made strict: a leak kills the server);
 3. the same after a weight update through update_weights_from_tensor (same weights re-sent);
 4. dense evaluation on the small-budget server (the per-request opt-out used by `eval_engine("dense")`): greedy
-   tokens and log-probs identical to the unpatched server, and those requests are never compressed.
+   tokens and log-probs identical to the unpatched server, and those requests are never compressed;
+5. CUDA graphs stay on across compactions: with a small budget, greedy tokens and eviction records with decode graphs
+   on equal those with graphs off (whenever the unpatched server's tokens agree between the two modes, the control).
 
     python examples/sglang/smoke.py --out /tmp/sglang_smoke
 """
@@ -77,6 +79,7 @@ def main() -> int:
     prompts = [[(7 * i + j) % 2000 + 3 for j in range(20 + 5 * i)] for i in range(8)]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=160, ignore_eos=True)
     failures = []
+    dense_by_mode, small_by_mode = {}, {}
     for graph in (True, False):
         tag = "graph" if graph else "eager"
         dense, ok_dense, _ = run(model, None, graph, args.out / f"dense-{tag}", prompts, greedy, 31000)
@@ -99,6 +102,8 @@ def main() -> int:
             if any(o.evictions is None or o.evictions.shape != (1, 1, 48) for o in outs):
                 failures.append(f"[{tag}, update={update}] a compressed sample came without its eviction record")
             print(f"[{tag}] update={update} savings:", [round(o.kv.savings, 3) for o in outs])
+            if not update:
+                small_by_mode[tag] = outs
             if dense_view is not None:
                 if any(a.response_ids != b.response_ids or a.logprobs != b.logprobs for a, b in zip(dense, dense_view)):
                     failures.append(f"[{tag}] dense opt-out on the small-budget server differs from the unpatched one")
@@ -106,6 +111,19 @@ def main() -> int:
                     failures.append(f"[{tag}] a dense opt-out request was compressed")
         if not (ok_dense and ok_same):
             failures.append(f"[{tag}] a dense/large-budget server died")
+        dense_by_mode[tag] = dense
+    control = all(a.response_ids == b.response_ids for a, b in zip(dense_by_mode["graph"], dense_by_mode["eager"]))
+    if control:
+        for a, b in zip(small_by_mode["graph"], small_by_mode["eager"]):
+            same_record = (a.evictions is not None and b.evictions is not None
+                           and a.evictions.starts.tolist() == b.evictions.starts.tolist()
+                           and a.evictions.keep_bits.tolist() == b.evictions.keep_bits.tolist())
+            if a.response_ids != b.response_ids or not same_record:
+                failures.append("[graph vs eager] compressed generation differs between decode graphs on and off")
+                break
+    else:
+        print("note: the unpatched server's greedy tokens differ between graphs on and off; graph-vs-eager under "
+              "compression not compared")
     for line in failures:
         print("FAIL", line)
     print("OK" if not failures else f"{len(failures)} failure(s)")
