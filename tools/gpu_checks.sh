@@ -61,12 +61,12 @@ SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 85 python3 -m pyt
 
 # 3. ---- rollout benchmark: the embedded engine on CUDA (CUDA graphs, bf16), the targets of #33 in print order: the
 #    same KV memory (8 GiB, 128 + 4096 tokens: tok/s of dense vs R-KV 512 + 128, each decoding one wave of as many
-#    sequences as fit, at most 320, ~80 s), batch 64 at 128 new tokens (warm HF, dense, R-KV at 64 + 32, ~20 s), batch 256 at
-#    4096 (dense vs R-KV, ~90 s; warm-up at 640 tokens, later span graphs captured in the timed call). Rows print as
-#    they finish, so a timeout still leaves the first ones. benchmarks/rollout_bench.py --suite gpu-extra: the rest.
+#    sequences as fit, at most 256), then batch 64 at 128 new tokens (warm HF, dense, R-KV at a tight 64 + 32): ~170 s
+#    on an H200 (2026-11-27). Rows print as they finish, so a timeout still leaves the first ones. Batch 256 at 4096
+#    tokens, dense vs R-KV, takes over 2 minutes on its own: `benchmarks/rollout_bench.py --suite gpu-extra`.
 step rollout_bench 190 python3 benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --max-kv-gib 40 --repeats 3 \
   --long-repeats 1 --long-warmup-new 640 --suite gpu --hf-max-new 128 --same-kv-gib 8 --same-kv-warmup-new 640 \
-  --same-kv-max-prompts 320
+  --same-kv-max-prompts 256
 # ---- end of the rollout benchmark step ----
 
 # 4. Megatron learner: DDP + distributed optimizer + schedules, fusions as probed (layouts 2x1 and 1x2 with 2 GPUs),
