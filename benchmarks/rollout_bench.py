@@ -26,6 +26,7 @@ HF directory (e.g. SmolLM2-135M-Instruct built by #14's `tools/gguf_to_hf.py`), 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import io
@@ -517,7 +518,9 @@ OPS_HEADER = ("| model | batch | engine | KV | ops / decode step | syncs / decod
 
 def op_count_rows(row: RowSpec, args, before: ModuleType | None) -> list[str]:
     """Counts the operations PyTorch dispatches inside the decode step and inside each compaction call (dense vs each
-    compression, this checkout and --before), on one generate() of the row."""
+    compression, this checkout and --before), on one generate() of the row. R-KV's redundancy works in blocks sized
+    by the device (an L2 cache on CPU, 1 GiB on CUDA): the counts here take CUDA's, whatever --device, since they
+    stand for a GPU's kernel launches (both engines: the older one's own CUDA scratch the same way)."""
     from slime_sparse.utils.op_audit import OpCounter
 
     model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
@@ -537,7 +540,8 @@ def op_count_rows(row: RowSpec, args, before: ModuleType | None) -> list[str]:
                 wrapped.append((cls, name, original))
                 setattr(cls, name, _counted(original, counters[phase], calls, phase))
         try:
-            eng.run(prompts, row.new_tokens)
+            with cuda_scratch(type(engine)):
+                eng.run(prompts, row.new_tokens)
         finally:
             for cls, name, original in wrapped:
                 setattr(cls, name, original)
@@ -549,6 +553,25 @@ def op_count_rows(row: RowSpec, args, before: ModuleType | None) -> list[str]:
                      f"{per('compress', comp.syncs)} |")
         print(lines[-1], flush=True)
     return lines
+
+
+@contextlib.contextmanager
+def cuda_scratch(engine_cls):
+    """Scratch sizes of the engine's package as on CUDA, for the length of the block (see op_count_rows)."""
+    package = engine_cls.__module__.split(".")[0]
+    patched = []
+    for module_name, name, value in ((f"{package}.kv.methods.rkv", "DEFAULT_SIM_SCRATCH_BYTES", 1 << 30),
+                                     (f"{package}.rollout.embedded.engine", "SCORE_SCRATCH_BYTES",
+                                      {False: 1 << 30, True: 1 << 30})):
+        module = sys.modules.get(module_name)
+        if module is not None and hasattr(module, name):
+            patched.append((module, name, getattr(module, name)))
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in patched:
+            setattr(module, name, value)
 
 
 def _counted(fn, counter, calls: dict, phase: str):
