@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from slime_sparse.algo.metrics import kv_metrics, mismatch_metrics  # noqa: E402
 from slime_sparse.backends.batching import MicroBatching  # noqa: E402
 from slime_sparse.backends.logprobs import pad_right, recompute_logprobs, response_logprobs, response_mask  # noqa: E402
-from slime_sparse.kv import PRESETS, KVCompressConfig  # noqa: E402
+from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 

@@ -22,7 +22,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -38,11 +37,10 @@ from slime_sparse.algo import CorrectionConfig, LossConfig, grpo_advantages  # n
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
 from slime_sparse.backends.batching import MicroBatching  # noqa: E402
 from slime_sparse.backends.embedded.learner import EmbeddedLearner  # noqa: E402
-from slime_sparse.backends.logprobs import pad_right  # noqa: E402
 from slime_sparse.backends.optimizer import OptimConfig  # noqa: E402
 from slime_sparse.types import KVStats, Sample  # noqa: E402
 
-from benchmarks.rollout_bench import CLOCKS, PRESETS, build_model  # noqa: E402  (one list of model shapes)
+from benchmarks.rollout_runs import CLOCKS, PRESETS, build_model  # noqa: E402  (one list of model shapes)
 
 SUITES = {
     "ci": ["tiny:8:16:24"],

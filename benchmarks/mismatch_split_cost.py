@@ -22,7 +22,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 from slime_sparse.types import Sample  # noqa: E402
 from slime_sparse.rollout.base_types import RolloutPlan  # noqa: E402
 
-from benchmarks.rollout_bench import CLOCKS, PRESETS as BENCH_PRESETS, build_model  # noqa: E402
+from benchmarks.rollout_runs import CLOCKS, PRESETS as BENCH_PRESETS, build_model  # noqa: E402
 
 # the tiny recipe's model (slime_sparse/tasks/tiny_model.py: character vocabulary, 4 layers of 128) besides the
 # rollout benchmark's shapes

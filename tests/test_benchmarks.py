@@ -147,3 +147,26 @@ def test_sglang_compaction_cost_ci_rows(capsys):
     assert int(four["loop ops"]) > 3 * int(one["loop ops"]) and four["batched ops"] == one["batched ops"]
     assert int(four["loop syncs"]) == 4 and four["batched syncs"] == one["batched syncs"] == "0"
     assert out.count("loop == batched: True") == 2
+
+
+def test_rollout_bench_same_kv_memory_and_op_counts(capsys):
+    """--same-kv-gib: each config decodes one wave of what fits in that memory, compression fitting more sequences;
+    --count-ops: a compaction is one batched call whose operations do not grow with the rows compressing, and neither
+    the decode step nor a compaction synchronises with the host."""
+    bench = load("rollout_bench")
+    lines = bench.main(["--rows", "tiny:4:24:40", "tiny:16:24:40", "--budgets", "16", "--buffer", "8", "--methods",
+                        "rkv", "h2o", "--same-kv-gib", "0.0003", "--same-kv-only", "--count-ops", "--repeats", "1"])
+    fits = [dict(zip(cells(bench.SAME_KV_HEADER.splitlines()[0]), cells(line))) for line in lines
+            if len(cells(line)) == 8]
+    runs = [dict(zip(cells(bench.SAME_KV_RUN_HEADER.splitlines()[0]), cells(line))) for line in lines
+            if len(cells(line)) == 11]
+    assert [r["KV"] for r in runs[:3]] == ["dense", "rkv B=16+8", "h2o B=16+8"]
+    dense_fit, rkv_fit = int(runs[0]["sequences that fit"]), int(runs[1]["sequences that fit"])
+    assert rkv_fit > 2 * dense_fit and int(runs[1]["prompts (one wave)"]) == rkv_fit
+    assert all(float(r["tok/s"]) > 0 for r in runs) and float(runs[0]["x dense"]) == 1.0
+    assert [int(f["sequences that fit"]) for f in fits[:2]] == [dense_fit, rkv_fit]  # the arithmetic is the engine's
+    ops = [dict(zip(cells(bench.OPS_HEADER.splitlines()[0]), cells(line))) for line in lines if len(cells(line)) == 10]
+    compact = {(r["batch"], r["KV"]): int(r["ops / compaction"]) for r in ops if r["KV"] != "dense"}
+    assert compact[("4", "h2o B=16")] == compact[("16", "h2o B=16")] > 0  # one call, whatever the rows
+    assert compact[("4", "rkv B=16")] == compact[("16", "rkv B=16")] > 0
+    assert all(r["syncs / decode step"] == "0" and r["syncs / compaction"] == "0" for r in ops)
