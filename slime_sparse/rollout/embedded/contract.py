@@ -5,7 +5,8 @@ model built from a config).
 The engine forks no model code. It relies on this surface of transformers' Qwen2 / Llama implementations:
 - the attention function is looked up by name in `AttentionInterface` on every forward, from
   `config._attn_implementation` (a private attribute the engine flips for the length of a generate() call);
-- the decoder body (`get_decoder()`) takes the cache under the keyword `cache` (transformers >= 5.x) or
+- the decoder body is `model.base_model` (Qwen2Model / LlamaModel; `get_decoder()` answers None for them in 4.56), it
+  takes the cache under the keyword `cache` (transformers >= 5.x) or
   `past_key_values`, calls `cache.update(k, v, layer_idx)` once per layer with post-RoPE keys [B, Hkv, T, d], and
   passes unknown keyword arguments through to the attention function (how the cache reaches ours);
 - with an attention function registered in `AttentionInterface` only (not in `AttentionMaskInterface`), a forward
@@ -110,11 +111,11 @@ def tiny_model(architecture: str) -> torch.nn.Module:
 def check(architecture: str) -> list[Finding]:
     """Exercise every assumption on a tiny model of `architecture`; one Finding each."""
     model = tiny_model(architecture)
-    body = model.get_decoder()
+    body = model.base_model
     params = inspect.signature(body.forward).parameters
     kwarg = "cache" if "cache" in params else "past_key_values"
-    found = [Finding(architecture, "the decoder body takes the cache as `cache` or `past_key_values`",
-                     kwarg in params, f"keyword {kwarg!r}"),
+    found = [Finding(architecture, "the decoder body (base_model) takes the cache as `cache` or `past_key_values`",
+                     body is not model and kwarg in params, f"{type(body).__name__}, keyword {kwarg!r}"),
              Finding(architecture, "the model supports the AttentionInterface",
                      bool(getattr(model, "_supports_attention_backend", False)))]
     cache = _RecordingCache()

@@ -115,7 +115,7 @@ class DecodeStep:
                  mode: str = "eager", graphs: CapturedGraphs | None = None) -> None:
         if mode not in STEP_MODES:
             raise ValueError(f"decode step mode {mode!r} is invalid: choose one of {STEP_MODES}")
-        self.body = model.get_decoder()
+        self.body = model.base_model  # the body under the LM head (contract.py)
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
         self.cache, self.state, self.logits = cache, state, logits
         self.mode = mode
