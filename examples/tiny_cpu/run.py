@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -127,6 +128,8 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     args = parser.parse_args(argv)
     run_dir = args.run_dir or f"runs/tiny_cpu_{args.variant}"
 
+    # progress lines (the warm start's, the rollouts') go to the log when stderr is not a terminal
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0, c0 = time.perf_counter(), time.process_time()
     assets = build_assets(args.cache_dir, assets_config or ASSETS)
     meta = json.loads(assets.metadata_path.read_text())
