@@ -10,7 +10,7 @@ from slime_sparse.train import main
 from tiny_runs import read_metrics
 from tiny_runs import run_args as args
 
-# every metric family the run must log (design.md section 2)
+# every metric family the run must log (docs/algorithm.md, "Metrics every run logs")
 REQUIRED = [
     "rollout/reward_mean", "rollout/response_len_mean", "correction/seq_reject_rate", "correction/token_reject_rate",
     "correction/xi_mean", "correction/xi_min", "correction/xi_max", "correction/truncate_frac",
