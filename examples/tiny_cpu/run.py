@@ -22,10 +22,12 @@ import os
 import sys
 import time
 
+import torch
+
 from slime_sparse.tasks.assets import AssetsConfig, build_assets
 from slime_sparse.train import main as train_main
 from slime_sparse.utils.logging import read_metrics
-from slime_sparse.utils.plots import plot_metrics
+from slime_sparse.utils.plots import SUMMARY_FILE, plot_metrics
 
 # A variant is a name and the flags it adds to the recipe; the study (compare.py) runs every row on the same
 # seeds. Add a row to compare another configuration of the same loop.
@@ -125,7 +127,13 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     parser.add_argument("--run-dir", default=None, help="default: runs/tiny_cpu_<variant>")
     parser.add_argument("--assets-only", action="store_true",
                         help="build (or find) the assets and stop (tools/fetch_gpu_wheels.sh prepares a GPU run so)")
+    parser.add_argument("--threads", type=int, default=1, help=(
+        "torch threads (default 1: a second thread buys a model this small little, and on one thread the run's "
+        "digits are the same whatever the machine's core count)"))
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    torch.set_num_threads(args.threads)
     run_dir = args.run_dir or f"runs/tiny_cpu_{args.variant}"
 
     # progress lines (the warm start's, the rollouts') go to the log when stderr is not a terminal
@@ -145,12 +153,16 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     ])
     if rc:
         return rc
-    plots = plot_metrics(run_dir)
+    # plots only when the metrics are newer (a rerun of a complete run changes nothing in its directory)
+    summary_png = os.path.join(run_dir, "plots", SUMMARY_FILE)
+    if not os.path.isfile(summary_png) or \
+            os.path.getmtime(summary_png) < os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")):
+        plot_metrics(run_dir)
     # CPU time (all threads) next to wall time: on a shared machine the wall clock says little
     print(f"\nSparse-RL tiny run ({args.variant}), {time.perf_counter() - t1:.0f}s of training "
           f"({time.process_time() - c1:.0f}s CPU), {time.perf_counter() - t0:.0f}s in all\n")
     print(summary_table(run_dir))
-    print(f"\nmetrics: {run_dir}/metrics.jsonl   plots: {os.path.dirname(plots.files[-1]) if plots.files else '-'}")
+    print(f"\nmetrics: {run_dir}/metrics.jsonl   plots: {os.path.dirname(summary_png)}")
     print("dense GRPO, naive sparse and Sparse-RL side by side over seeds: python examples/tiny_cpu/compare.py "
           "(the measured study: examples/tiny_cpu/README.md)")
     return 0
