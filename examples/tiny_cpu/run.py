@@ -22,9 +22,8 @@ import os
 import sys
 import time
 
-import torch
-
 from slime_sparse.tasks.assets import AssetsConfig, build_assets
+from slime_sparse.tasks.warm_start import torch_threads
 from slime_sparse.train import main as train_main
 from slime_sparse.utils.logging import read_metrics
 from slime_sparse.utils.plots import SUMMARY_FILE, plot_metrics
@@ -133,13 +132,17 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     args = parser.parse_args(argv)
     if args.threads < 1:
         parser.error(f"--threads={args.threads} must be >= 1")
-    torch.set_num_threads(args.threads)
+    with torch_threads(args.threads):  # restored after: a caller in the same process (the tests) keeps its own
+        return run(args, extra, assets_config or ASSETS)
+
+
+def run(args: argparse.Namespace, extra: list[str], assets_config: AssetsConfig) -> int:
     run_dir = args.run_dir or f"runs/tiny_cpu_{args.variant}"
 
     # progress lines (the warm start's, the rollouts') go to the log when stderr is not a terminal
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0, c0 = time.perf_counter(), time.process_time()
-    assets = build_assets(args.cache_dir, assets_config or ASSETS)
+    assets = build_assets(args.cache_dir, assets_config)
     meta = json.loads(assets.metadata_path.read_text())
     print(f"assets ready in {time.perf_counter() - t0:.0f}s ({time.process_time() - c0:.0f}s CPU, "
           f"{meta.get('num_parameters')} parameters): {assets.root}")
