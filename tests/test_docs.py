@@ -72,3 +72,13 @@ def test_every_markdown_file_named_exists():
 def test_the_check_can_fail(line, bad):
     where = ROOT / "docs" / "README.md"
     assert any(ours(n) and not resolves(n, where) for n in MD_PATH.findall(line)) == bad
+
+
+def test_every_source_file_the_docs_name_exists():
+    """A module, tool or test a Markdown file names by path (`slime_sparse/algo/loss.py`) is there: a rename or a
+    split elsewhere must carry the docs along. CHANGELOG.md is history: it names files as they were."""
+    pattern = re.compile(r"(?<![\w./-])((?:slime_sparse|sglang_patches|tools|tests|benchmarks|examples)/[\w/.-]+"
+                         r"\.(?:py|sh))")
+    missing = [f"{p.relative_to(ROOT)}: {name}" for p in text_files() if p.suffix == ".md" and p.name != "CHANGELOG.md"
+               for name in pattern.findall(p.read_text(encoding="utf-8")) if not (ROOT / name).is_file()]
+    assert missing == []

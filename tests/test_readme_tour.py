@@ -1,5 +1,5 @@
 """The README's five-minute tour, its commands read from the README and run as written in a fresh directory, the
-Ctrl-C included (a SIGINT to the command's process group once rollout 10 is checkpointed, as a terminal sends it).
+Ctrl-C included (a SIGINT to the command's process group after the third rollout, as a terminal sends it).
 
 Slow (the main job in full, a few minutes on 2 idle cores): `python -m pytest -q -m slow tests/test_readme_tour.py`.
 The default run checks that the tour is the one this test runs.
@@ -63,7 +63,12 @@ def snapshot(run_dir: Path) -> dict[str, int]:
 
 
 def rollout_steps(run_dir: Path) -> list[int]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written while the run goes on
+            pass
     return [r["step"] for r in rows if "rollout/reward_mean" in r]
 
 
@@ -83,20 +88,21 @@ def test_the_tour_runs_as_written(tmp_path):
         return subprocess.run(["bash", "-c", command], cwd=work, env=env, capture_output=True, text=True,
                               timeout=3000)
 
-    # 1. trains; Ctrl-C once rollout 10 is checkpointed
+    # 1. trains; Ctrl-C after a few rollouts: the last finished one is saved
     proc = subprocess.Popen(["bash", "-c", commands[0]], cwd=work, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 3000
-    while not (work / RUN / "checkpoints" / "rollout_000010" / "trainer_state.json").exists():
+    while not ((work / RUN / "metrics.jsonl").exists() and len(rollout_steps(work / RUN)) >= 3):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline
         time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)
     out = proc.communicate(timeout=600)[0]
     assert proc.returncode == 130, out
-    assert json.loads((work / RUN / "summary.json").read_text())["status"] == "interrupted"
+    summary = json.loads((work / RUN / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["last_rollout"] >= 3
     newest = max(int(p.name.split("_")[1]) for p in (work / RUN / "checkpoints").glob("rollout_*"))
-    assert newest >= 10
+    assert newest == summary["last_rollout"], out  # the stop saved the last finished rollout
 
     # 2. the same command resumes from the newest checkpoint and finishes; every rollout logged once
     second = run(commands[1])
