@@ -8,7 +8,9 @@ import os
 import pytest
 
 from slime_sparse.utils.logging import MetricsLogger
-from slime_sparse.utils.plots import EVAL_ACCURACY_KEY, DEFAULT_PLOT_KEYS, ema, metric_series, panel_series, plot_metrics
+from slime_sparse.utils.plots import (
+    DEFAULT_PLOT_KEYS, EVAL_ACCURACY_KEY, ema, metric_series, panel_series, plot_metrics,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -65,7 +67,8 @@ def test_plot_metrics_writes_pngs_and_reports_missing_keys(tmp_path):
     result = plot_metrics(str(tmp_path), smooth=0.6)
 
     # default keys the run did not log
-    assert result.missing_keys == [EVAL_ACCURACY_KEY, "mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5",
+    assert result.missing_keys == [EVAL_ACCURACY_KEY, "mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3",
+                                   "mismatch/xi_p5",
                                    "correction/is_ess", "rollout/effective_batch_size",
                                    "rollout/gen_tokens_per_train_token"]
     names = [os.path.basename(f) for f in result.files]

@@ -50,7 +50,8 @@ def test_the_drift_check_can_fail():
 
 def test_blocks_are_rewritten_in_place(tmp_path):
     path = tmp_path / "blocks.txt"
-    path.write_text("a\n<!-- reproduce:x -->\nold\n<!-- /reproduce:x -->\nb (<!-- reproduce:y -->1<!-- /reproduce:y -->)\n")
+    path.write_text("a\n<!-- reproduce:x -->\nold\n<!-- /reproduce:x -->\n"
+                    "b (<!-- reproduce:y -->1<!-- /reproduce:y -->)\n")
     reproduce.write_block(str(path), "x", "new\nlines")
     reproduce.write_block(str(path), "y", "2")
     assert path.read_text() == ("a\n<!-- reproduce:x -->\nnew\nlines\n<!-- /reproduce:x -->\n"

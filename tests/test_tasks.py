@@ -414,7 +414,8 @@ def test_micro_batches_give_the_batch_gradient(tokenizer):
         for part in parts:
             batch = collate_encoded([enc[i] for i in part], tokenizer.pad_token_id)
             if bool(windows[part].any()):
-                batch["attention_mask"] = prompt_window_mask(batch["attention_mask"], batch["prompt_lens"], windows[part])
+                batch["attention_mask"] = prompt_window_mask(batch["attention_mask"], batch["prompt_lens"],
+                                                             windows[part])
             loss = response_nll(model, batch)[0] / count
             loss.backward()
             value += loss.item()
@@ -472,7 +473,8 @@ def test_an_interrupted_asset_build_resumes(tmp_path, monkeypatch):
     resumed = build_assets(tmp_path / "b", config, log=None, progress=False)
     assert not resumed.cache_hit and not partial.exists()
     assert not (resumed.root / "warm_start.ckpt").exists()
-    assert (resumed.model_dir / "model.safetensors").read_bytes() == (reference.model_dir / "model.safetensors").read_bytes()
+    weights = "model.safetensors"
+    assert (resumed.model_dir / weights).read_bytes() == (reference.model_dir / weights).read_bytes()
 
 
 def _raise_after(fn, n):

@@ -55,7 +55,8 @@ class AdvantageSpec:
 
     def validate(self) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"--advantage-estimator={self.estimator!r} is invalid: choose one of {ADVANTAGE_ESTIMATORS}")
+            raise ValueError(f"--advantage-estimator={self.estimator!r} is invalid: choose one of "
+                             f"{ADVANTAGE_ESTIMATORS}")
         if self.estimator in WHITENED_ESTIMATORS and not self.whiten:
             raise ValueError(f"--advantage-estimator={self.estimator} needs --normalize-advantages (REINFORCE++'s "
                              "global batch normalisation; slime requires it too)")

@@ -285,9 +285,9 @@ def _train(model, data: list[Encoded], pad_id: int, config: WarmStartConfig, log
 
     def save(step: int) -> None:
         tmp = checkpoint.with_name(checkpoint.name + ".tmp")
-        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.getstate(),
-                    "window_rng": window_rng.getstate(), "torch_rng": torch.get_rng_state(), "order": list(order),
-                    "losses": losses, "tokens": tokens}, tmp)
+        torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "rng": rng.getstate(), "window_rng": window_rng.getstate(), "torch_rng": torch.get_rng_state(),
+                    "order": list(order), "losses": losses, "tokens": tokens}, tmp)
         os.replace(tmp, checkpoint)  # whole or not at all
 
     model.train()
