@@ -34,7 +34,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, HERE)
+sys.path[:0] = [HERE, ROOT]  # this checkout's code, whatever an install points at
 
 import run  # noqa: E402  (the recipe and its summary table)
 
