@@ -131,7 +131,7 @@ def summary(out: Path) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", metavar="OUT", help="the directory tools/gpu_checks.sh wrote (steps.tsv, logs)")
     args = parser.parse_args(argv)
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (out / "steps.tsv").is_file():
         parser.error(f"{out}: no steps.tsv here (not a directory tools/gpu_checks.sh wrote)")
     print(summary(out))
-    return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()  # returns (no SystemExit): gpu_checks.sh's callers may run it in their own process (runpy)
