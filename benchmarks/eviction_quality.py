@@ -44,7 +44,7 @@ from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 
-SYSTEMS = {  # the wording each task was sized with (design.md section 5 for products)
+SYSTEMS = {  # the wording each task was sized with (docs/architecture.md, "The real-model task", for products)
     "gsm_symbolic": "Solve the problem, thinking step by step. On the last line write 'Answer: ' followed by only the "
                     "final answer.",
     "products": "Solve the problem, thinking briefly step by step. On the last line write 'Answer: ' followed by "

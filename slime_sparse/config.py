@@ -22,6 +22,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
+from slime_sparse.algo.advantages import check_composition
 from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
 from slime_sparse.backends.megatron.config import MegatronConfig  # no megatron-core import
@@ -68,11 +69,14 @@ class RunConfig:
         rewrites the config:
         - Dr.GRPO's constant normaliser (`--loss-agg-mode seq-mean-token-sum-norm` without a norm_len): the
           generation budget, --rollout-max-response-len;
-        - no --lr-decay-iters: every optimizer step of the run, --num-rollout x steps per rollout (slime's rule).
+        - no --lr-decay-iters: every optimizer step of the run, --num-rollout x steps per rollout (slime's rule);
+        - --advantage-estimator gspo: the loss's PPO ratio is one per sequence (`LossConfig.ratio_level`).
         (What comes from the model directory, the stop ids, is filled at start-up: slime_sparse.startup.)"""
         loss, train = self.loss, self.train
         if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_len is None:
             loss = dataclasses.replace(loss, norm_len=self.sampling.max_new_tokens)
+        if self.rollout.advantage_spec.sequence_ratio:
+            loss = dataclasses.replace(loss, ratio_level="sequence")
         if train.lr_decay_iters is None and train.global_batch_size > 0:  # (a bad batch size: validate says so)
             train = dataclasses.replace(train, lr_decay_iters=train.num_rollout * self.steps_per_rollout)
         return dataclasses.replace(self, loss=loss, train=train)
@@ -81,6 +85,7 @@ class RunConfig:
         """Every section's own rules, then the rules between sections (ValueError naming the flag)."""
         for section in SECTIONS:
             getattr(self, section).validate()
+        check_composition(self.rollout.advantage_spec, self.loss, self.correction)
         if self.loss.distills and self.train.train_backend != "embedded":
             raise ValueError(f"{flag_for('loss', 'loss_type')} smd needs {flag_for('train', 'train_backend')} embedded "
                              "(a dense and a shadow forward per micro-batch; Megatron's learner runs shadow only)")

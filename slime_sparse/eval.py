@@ -105,16 +105,33 @@ def evaluate_modes(cfg, components, *, step: int, logger=None) -> dict[str, dict
 
 
 OUTPUT_HELP = "where the JSON report is written (its directory is created)"
+# What evaluation reads of the run config: these sections whole, and these fields of others (the engine's); every
+# other training flag is accepted (a training command line evaluates as it is) and left out of --help.
+EVAL_SECTIONS = ("sampling", "kv", "data", "reward", "eval", "sglang")
+EVAL_FIELDS = {"train": ("hf_checkpoint", "device", "bf16", "enable_fp32_lm_head", "seed"),
+               "rollout": ("engine", "max_batch_size", "cuda_graph")}
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
-    """--help of slime-sparse-eval: the run config's flags (training's, which evaluation reads) and --output."""
+    """--help of slime-sparse-eval: the flags evaluation reads (EVAL_SECTIONS, EVAL_FIELDS) and --output; the
+    parser accepts every training flag, shown only in slime-sparse-train --help."""
+    from slime_sparse.config import SECTION_TYPES
     from slime_sparse.config_loader import build_parser
+    from slime_sparse.flags import flag_for
 
     parser = build_parser(prog="slime-sparse-eval", description=(
         "Evaluate a model (pass@1, avg@k, pass@k) on --eval-prompt-data (or --prompt-data) under dense or "
-        "compressed-KV inference. It reads the training flags: the eval, sampling, kv, data and reward groups "
-        "matter here."))
+        "compressed-KV inference. The flags below are the ones evaluation reads; any other flag of "
+        "slime-sparse-train is accepted and ignored, so a training command line evaluates as it is."))
+    shown = {flag_for(section, f.name) for section in EVAL_SECTIONS for f in dataclasses.fields(SECTION_TYPES[section])}
+    shown |= {flag_for(section, name) for section, names in EVAL_FIELDS.items() for name in names}
+    for group in parser._action_groups:
+        if group.title not in EVAL_SECTIONS:
+            group.description = None  # a group left with no flag then prints nothing
+        for action in group._group_actions:
+            if action.option_strings and action.option_strings[0].startswith("--") and \
+                    action.option_strings[0] not in shown | {"--help", "--config"}:
+                action.help = argparse.SUPPRESS
     group = next(g for g in parser._action_groups if g.title == "eval")
     group.add_argument("--output", metavar="PATH", help=f"{OUTPUT_HELP} (default: eval_report.json)")
     return parser

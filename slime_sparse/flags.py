@@ -32,7 +32,7 @@ SECTION_PREFIXES: dict[str, str] = {
 }
 
 # fields that no flag sets (filled from --hf-checkpoint, or by the `--sglang-*` pass-through)
-NO_FLAG = {"sglang.model_path", "sglang.extra_args"}
+NO_FLAG = {"sglang.model_path", "sglang.extra_args", "loss.ratio_level"}  # ratio_level: --advantage-estimator
 # where every `--sglang-X` flag that is not ours goes (as `--X`, to every SGLang server), like slime
 PASSTHROUGH_FIELD = "sglang.extra_args"
 
@@ -48,6 +48,7 @@ FLAG_ALIASES: dict[str, str] = {
     "data.seed": "--rollout-seed",
     "data.num_epochs": "--num-epoch",
     "rollout.grpo_std_normalization": "--disable-grpo-std-normalization",
+    "rollout.normalize_advantages": "--normalize-advantages",
     "rollout.cuda_graph": "--disable-cuda-graph",
     "rollout.over_sampling_batch_size": "--over-sampling-batch-size",
     "rollout.dynamic_sampling_filter_path": "--dynamic-sampling-filter-path",
@@ -125,6 +126,8 @@ FIXED: dict[str, tuple[str, type, object, str]] = {
     "--optimizer": ("train", str, "adam", "both learners step Adam with decoupled weight decay (Megatron's adam)"),
     "--kl-coef": ("loss", float, 0.0,
                   "a KL penalty in the reward is not implemented; use --use-kl-loss --kl-loss-coef"),
+    "--gamma": ("rollout", float, 1.0, "REINFORCE++'s discount: with an outcome reward and no reward KL its return "
+                "is R at every token only for gamma 1; a per-token return is not implemented"),
     "--context-parallel-size": ("megatron", int, 1, "context parallelism is not implemented"),
     "--expert-model-parallel-size": ("megatron", int, 1, "the learners build dense models (no experts)"),
     "--expert-tensor-parallel-size": ("megatron", int, 1, "the learners build dense models (no experts)"),

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from slime_sparse.algo import (
+    AdvantageSpec,
     CorrectionConfig,
+    compute_advantages,
     grpo_advantages,
     kv_metrics,
     mismatch_metrics,
@@ -62,11 +64,12 @@ def response_metrics(samples: list[Sample]) -> dict[str, float]:
     }
 
 
-def group_advantages(samples: list[Sample], normalize_std: bool) -> tuple[torch.Tensor, dict[str, float]]:
-    """GRPO advantages of `samples` (whole groups: each depends on its own group only) and their metrics."""
+def group_advantages(samples: list[Sample], spec: AdvantageSpec) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantages of `samples` (whole groups) under `spec` (--advantage-estimator ...) and their metrics."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
-    return grpo_advantages(rewards, group_ids, normalize_std=normalize_std)
+    lens = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long)
+    return compute_advantages(rewards, group_ids, lens, spec)
 
 
 def sampler_logprobs(samples: list[Sample]) -> torch.Tensor:
@@ -90,8 +93,12 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or plan.mismatch_split else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)  # xi = 1: judges finiteness
-    # OPSM reads only the advantages' signs, which the std normalisation does not change
-    advantages = group_advantages(samples, normalize_std=False)[0] if correction.opsm_delta is not None else None
+    # OPSM reads only the advantages' signs: those of R - group mean, which the std normalisation (and RLOO's
+    # factor) do not change; under the whitened estimators the final sign may differ (prepare_rollout uses it)
+    advantages = None
+    if correction.opsm_delta is not None:
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+        advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]), normalize_std=False)[0]
     kept = sparsity_correction(logp_old, logp_sparse, response_mask(response_lens), correction,
                                advantages=advantages).seq_kept
     for s, k in zip(samples, kept.tolist()):
@@ -145,13 +152,13 @@ def prepare_rollout(
     learner,
     correction: CorrectionConfig,
     *,
-    normalize_std: bool = True,
+    advantage_spec: AdvantageSpec = AdvantageSpec(),
     need_ref: bool = False,
     old: list[torch.Tensor] | None = None,
     plan: RolloutPlan = RolloutPlan(),
 ) -> PreparedRollout:
-    """Advantages, dense pi_old (unless given: the rollout function has it from `dense_logprobs`) and pi_ref
-    recompute, and the sparsity correction over the whole train batch.
+    """Advantages (`advantage_spec`: --advantage-estimator ...), dense pi_old (unless given: the rollout function has
+    it from `dense_logprobs`) and pi_ref recompute, and the sparsity correction over the whole train batch.
 
     The correction (incl. batch normalisation of weights) is computed once per rollout, over all of its samples,
     before the optimizer steps: its inputs (pi_old, pi_sparse, the advantages OPSM reads) do not change during them.
@@ -175,7 +182,7 @@ def prepare_rollout(
     if plan.trains_shadow and correction.bypass_mode:
         raise ValueError("--correction-bypass-mode with --loss-type shadow / smd: their PPO anchor is already the "
                          "sampler's own policy (pi_shadow)")
-    advantages, adv_metrics = group_advantages(samples, normalize_std)
+    advantages, adv_metrics = group_advantages(samples, advantage_spec)
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     shadow = shadow_records(samples, plan.trains_shadow)

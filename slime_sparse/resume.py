@@ -23,10 +23,12 @@ logger = logging.getLogger("slime_sparse.train")
 
 # sections compared whole (but for schedule fields in them), and single fields of other sections
 EXPERIMENT_SECTIONS = ("data", "sampling", "kv", "loss", "correction")
-EXPERIMENT_FIELDS = (("train", "hf_checkpoint"),)
+EXPERIMENT_FIELDS = (("train", "hf_checkpoint"), ("rollout", "advantage_estimator"),
+                     ("rollout", "grpo_std_normalization"), ("rollout", "normalize_advantages"))
 SCHEDULE_FIELDS = (("data", "num_epochs"),)  # more epochs for more rollouts: the prompt order stays the same
-# labels derived from the fields that are compared (the correction's knobs, whatever preset they started from)
-DERIVED_FIELDS = (("correction", "preset"), ("kv", "preset"))
+# labels derived from the fields that are compared (the correction's knobs, whatever preset they started from; the
+# loss's ratio level, from --advantage-estimator)
+DERIVED_FIELDS = (("correction", "preset"), ("kv", "preset"), ("loss", "ratio_level"))
 CONFIG_KEY = "config"  # where Components.save_checkpoint puts the run config in a checkpoint's `extra`
 
 

@@ -97,7 +97,7 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> tupl
         return None, metrics
     t1 = time.perf_counter()
     prepared = prepare_rollout(samples, components.learner, cfg.correction, old=rollout.old_logprobs,
-                               normalize_std=cfg.rollout.grpo_std_normalization, need_ref=cfg.loss.needs_ref,
+                               advantage_spec=cfg.rollout.advantage_spec, need_ref=cfg.loss.needs_ref,
                                plan=rollout.plan)
     metrics["perf/recompute_s"] = metrics.get("perf/recompute_s", 0.0) + time.perf_counter() - t1
     metrics.update(prepared.metrics)

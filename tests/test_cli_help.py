@@ -1,6 +1,7 @@
 """--help of both commands: one group per config section, every flag a one-line help with its default, the help
 text kept in one place (the config dataclasses' field metadata); eval's own usage and --output."""
 import argparse
+import re
 import subprocess
 import sys
 from dataclasses import fields
@@ -60,7 +61,18 @@ def test_eval_help_is_evals_own_and_names_output():
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: slime-sparse-eval")
-    assert "--output PATH" in out.stdout and "slime-sparse-train" not in out.stdout
+    assert "--output PATH" in out.stdout and "usage: slime-sparse-train" not in out.stdout
+    shown = set(re.findall(r"^  (--[a-z0-9-]+)", out.stdout, flags=re.M))
+    for flag in ("--hf-checkpoint", "--eval-prompt-data", "--kv-budget", "--rollout-temperature", "--rm-type",
+                 "--input-key", "--n-samples-per-eval-prompt", "--rollout-engine"):
+        assert flag in shown, flag
+    # the learner's, Megatron's, the correction's, the loop's: not evaluation's
+    for flag in ("--lr", "--tensor-model-parallel-size", "--correction-preset", "--use-tis", "--save-interval",
+                 "--num-rollout", "--optimizer", "--eps-clip", "--use-ray"):
+        assert flag not in shown, flag
+    assert len(out.stdout.splitlines()) < 0.5 * len(build_parser().format_help().splitlines())
+    # yet a training command line parses: the hidden flags are accepted
+    assert build_eval_parser().parse_args(["--lr", "1e-6", "--correction-preset", "mis"])
     eval_group = _groups(build_eval_parser())["eval"]
     assert "--output" in {s for a in eval_group for s in a.option_strings}
 

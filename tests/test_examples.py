@@ -45,7 +45,7 @@ def test_qwen25_7b_recipe_parses_and_fits_its_layout(qwen25_7b, tmp_path, capsys
     dp = layout.learner_ranks // cfg.megatron.tensor_model_parallel_size
     samples = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     assert dp == 4 and samples // cfg.train.global_batch_size == 4 and cfg.train.global_batch_size % dp == 0
-    # the authors' settings (design.md section 2)
+    # the authors' settings (docs/algorithm.md)
     assert (cfg.kv.method, cfg.kv.budget, cfg.kv.buffer, cfg.kv.window) == ("rkv", 512, 128, 8)
     assert (cfg.train.lr, cfg.train.weight_decay, cfg.train.adam_beta2) == (1e-6, 0.1, 0.98)
     assert cfg.correction.preset == "mis" and cfg.loss.kl_loss_coef == 1e-4 and cfg.train.bf16

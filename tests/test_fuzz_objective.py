@@ -4,7 +4,7 @@ Log-probs with -inf, +inf, NaN, huge and tiny magnitudes, positive values, empty
 zero-variance groups, length-1 responses, garbage in the padding. What must hold for every batch:
 - no NaN/inf in any loss, gradient or metric;
 - every rejection counted: a sequence with a non-finite log-prob (sampler or learner) at a response
-  position is rejected whole and counted in correction/nonfinite_seqs (the veto of design.md section 2
+  position is rejected whole and counted in correction/nonfinite_seqs (the paper's veto, docs/algorithm.md,
   extended to "cannot be judged"); the rejection rates equal an independent count of the output mask.
 
 The contract on inputs (docstring of algo/correction.py): sampler log-probs may be anything; learner
@@ -13,11 +13,13 @@ pi_old is (the same model) and pi_ref is finite (the frozen start of that model)
 pi_theta. Rewards are finite (the reward function checks it) and, for Dr.GRPO's unnormalised advantages, of a
 sane magnitude (here up to 1e6: with xi and the PPO ratio each up to e^20 a float32 loss holds |A| up to ~1e21).
 A fixed-seed generator makes every case reproducible: `pytest -k "fuzz and seed"`.
+The pipeline cases cycle through every advantage estimator (GSPO with a geometric-level weight).
 The default run checks FAST_CASES batches at the algorithm level and through pipeline.prepare_rollout;
 `-m slow` runs FULL_CASES of each.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -26,9 +28,11 @@ import pytest
 import torch
 
 from slime_sparse.algo import (
-    AGG_MODES, KL_TYPES, PRESETS, CorrectionConfig, LossConfig, grpo_advantages, mismatch_metrics, policy_loss,
-    sparsity_correction,
+    ADVANTAGE_ESTIMATORS, AGG_MODES, KL_TYPES, PRESETS, AdvantageSpec, CorrectionConfig, LossConfig, grpo_advantages,
+    mismatch_metrics, policy_loss, sparsity_correction,
 )
+from slime_sparse.algo.advantages import check_composition
+from slime_sparse.algo.loss import RATIO_LEVELS
 from slime_sparse.backends.base import microbatch_loss
 from slime_sparse.pipeline import prepare_rollout, split_steps
 from slime_sparse.types import KVStats, Sample
@@ -127,6 +131,7 @@ def loss_configs(seed: int) -> list[LossConfig]:
             loss_agg_mode=mode, use_kl_loss=True, kl_loss_coef=rng.choice([1e-4, 1.0]), kl_loss_type=kl,
             entropy_coef=rng.choice([0.0, 0.01]),
             norm_len=rng.randint(1, 32) if mode == "seq-mean-token-sum-norm" else None,
+            ratio_level=rng.choice(RATIO_LEVELS),  # GSPO's sequence ratio too
         ))
     return out
 
@@ -207,15 +212,23 @@ def run_pipeline_case(seed: int) -> None:
         for i, n in enumerate(case.lengths)
     ]
     preset = list(PRESETS)[seed % len(PRESETS)]
-    prepared = prepare_rollout(samples, StubLearner(case), CorrectionConfig.from_preset(preset),
-                               normalize_std=seed % 2 == 0, need_ref=True)
+    estimator = ADVANTAGE_ESTIMATORS[(seed // len(PRESETS)) % len(ADVANTAGE_ESTIMATORS)]
+    spec = AdvantageSpec(estimator, std_normalization=seed % 2 == 0, whiten=estimator.startswith("reinforce"))
+    correction = CorrectionConfig.from_preset(preset)
+    cfg = loss_configs(seed)[seed % len(KL_TYPES)]
+    if spec.sequence_ratio:  # GSPO: a sequence-level weight and a mean over sequences (check_composition)
+        if correction.is_weight:
+            correction = CorrectionConfig.from_preset(preset, is_level="geometric")
+        cfg = dataclasses.replace(cfg, ratio_level="sequence", loss_agg_mode="seq-mean-token-mean", norm_len=None)
+    check_composition(spec, cfg, correction)
+    prepared = prepare_rollout(samples, StubLearner(case), correction, advantage_spec=spec, need_ref=True)
+    assert torch.isfinite(prepared.batch.advantages).all(), f"{where} {estimator}: non-finite advantages"
     assert_finite(prepared.metrics, where)
     nonfinite = sum(any(not math.isfinite(o - s) for o, s in zip(case.logp_old[i, :n].tolist(),
                                                                   case.logp_sparse[i, :n].tolist()))
                     for i, n in enumerate(case.lengths))
     assert prepared.metrics["correction/nonfinite_seqs"] == nonfinite, where
     steps = [d for d in (1, 2, 4) if len(samples) % d == 0]
-    cfg = loss_configs(seed)[seed % len(KL_TYPES)]
     for part in split_steps(prepared.batch, random.Random(seed).choice(steps)):
         logp = (torch.nn.utils.rnn.pad_sequence(part.old_logprobs, batch_first=True)
                 + case.noise[: len(part), : max(part.response_lens)]).clamp(max=0.0).requires_grad_(True)

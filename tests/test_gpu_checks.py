@@ -95,3 +95,13 @@ def test_summary_reads_the_training_runs_and_the_rl_step_benchmark(tmp_path):
     assert re.search(r"^rl_step_bench\s+TIMEOUT \(75 s\)", table, flags=re.M)
     (tmp_path / "rl_step_bench.log").write_text("# sparse step 1/2: 11.00 s (rollout 8.0, ...)\n")  # cut short
     assert "sparse step 1/2: 11.00 s" in _summary_module().summary(tmp_path)
+
+
+def test_summary_help_and_a_wrong_directory():
+    import sys
+
+    out = subprocess.run([sys.executable, str(TOOLS / "gpu_summary.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("usage:") and "OUT" in out.stdout
+    bad = subprocess.run([sys.executable, str(TOOLS / "gpu_summary.py"), "/nonexistent"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "no steps.tsv" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,4 +1,4 @@
-"""The shape of the house (design.md section 6), read from the source with `ast`: which of our packages each layer
+"""The shape of the house (docs/architecture.md, "Dependency rules"), read from the source with `ast`: which of our packages each layer
 may import. Every import counts, at module level or inside a function (a lazy import is still a dependency)."""
 from __future__ import annotations
 

@@ -49,6 +49,26 @@ def test_converter_arguments_are_validated(tmp_path):
         megatron_to_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
 
 
+def test_conversion_keeps_the_source_dtype_unless_asked(tmp_path):
+    """An fp32 model converts to fp32 (it used to become bf16 by default), a bf16 one to bf16; --dtype still wins."""
+    from slime_sparse.backends.megatron.convert import checkpoint_dtype, converter_parser, stored_dtype
+
+    _tiny_qwen2(tmp_path / "fp32")
+    assert stored_dtype(str(tmp_path / "fp32")) == "float32"
+    Qwen2ForCausalLM.from_pretrained(tmp_path / "fp32").to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert stored_dtype(str(tmp_path / "bf16")) == "bfloat16"
+    parser = converter_parser("", "--hf-dir", "", "", "")
+    assert parser.parse_args(["--hf-dir", "x", "--out-dir", "y"]).dtype is None  # None: the source's
+    assert parser.parse_args(["--hf-dir", "x", "--out-dir", "y", "--dtype", "bfloat16"]).dtype == "bfloat16"
+    ckpt = tmp_path / "mcore"
+    ckpt.mkdir()
+    meta = {"hf_config": {"dtype": "bfloat16"}}
+    (ckpt / "slime_sparse_megatron.json").write_text(json.dumps(meta))
+    assert checkpoint_dtype(str(ckpt)) == "bfloat16"  # a learner's checkpoint: the HF config it came from
+    (ckpt / "slime_sparse_megatron.json").write_text(json.dumps({**meta, "params_dtype": "float32"}))
+    assert checkpoint_dtype(str(ckpt)) == "float32"  # what the converter wrote
+
+
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_hf_megatron_hf_round_trip_is_exact(tmp_path, monkeypatch):
@@ -57,12 +77,13 @@ def test_hf_megatron_hf_round_trip_is_exact(tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     hf_dir, mcore_dir, back_dir = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
     original = _tiny_qwen2(hf_dir)
-    _tool("convert_hf_to_megatron").main(["--hf-dir", str(hf_dir), "--out-dir", str(mcore_dir), "--tp", "2", "--dtype", "float32"])
+    # no --dtype: the fp32 source stays fp32 both ways, hence the exact round trip
+    _tool("convert_hf_to_megatron").main(["--hf-dir", str(hf_dir), "--out-dir", str(mcore_dir), "--tp", "2"])
     meta = json.loads((mcore_dir / "slime_sparse_megatron.json").read_text())
     assert meta["saved_with"] == {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
     assert (mcore_dir / "hf_extra" / "tokenizer_config.json").exists()
 
-    _tool("convert_megatron_to_hf").main(["--megatron-dir", str(mcore_dir), "--out-dir", str(back_dir), "--pp", "2", "--dtype", "float32"])
+    _tool("convert_megatron_to_hf").main(["--megatron-dir", str(mcore_dir), "--out-dir", str(back_dir), "--pp", "2"])
     restored = load_file(os.path.join(back_dir, "model.safetensors"))
     assert set(restored) == set(original)
     for name, tensor in original.items():

@@ -244,7 +244,25 @@ def test_disable_grpo_std_normalization(base):
     off = parse(base, "--disable-grpo-std-normalization").rollout
     assert (off.advantage_estimator, off.grpo_std_normalization) == ("grpo", False)
     assert parse(base, "--advantage-estimator", "dr_grpo").rollout == off  # our former name, kept as its spelling
-    refused(base, "--advantage-estimator", "gspo", match="--advantage-estimator='gspo' is invalid")
+    refused(base, "--advantage-estimator", "cispo", match="--advantage-estimator='cispo' is invalid")
+    refused(base, "--advantage-estimator", "ppo", match="--advantage-estimator='ppo' is invalid")  # needs a critic
+
+
+def test_advantage_estimators_and_normalize_advantages(base):
+    """slime's estimators by its names; REINFORCE++ whitens (slime requires --normalize-advantages: implied
+    here, refused when turned off); GSPO sets the loss's sequence ratio; --gamma only at 1."""
+    for name in ("gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"):
+        cfg = parse(base, "--advantage-estimator", name)
+        assert cfg.rollout.advantage_estimator == name
+        assert cfg.rollout.advantage_spec.whiten == name.startswith("reinforce")
+        assert cfg.loss.ratio_level == ("sequence" if name == "gspo" else "token")
+    assert parse(base, "--advantage-estimator", "reinforce_plus_plus", "--normalize-advantages").rollout.advantage_spec \
+        == parse(base, "--advantage-estimator", "reinforce_plus_plus").rollout.advantage_spec
+    assert parse(base, "--normalize-advantages").rollout.advantage_spec.whiten is True  # grpo whitened, as slime
+    refused(base, "--advantage-estimator", "reinforce_plus_plus", "--no-normalize-advantages",
+            match="--advantage-estimator=reinforce_plus_plus needs --normalize-advantages")
+    assert parse(base, "--gamma", "1.0").rollout == parse(base).rollout
+    refused(base, "--advantage-estimator", "reinforce_plus_plus", "--gamma", "0.99", match="--gamma")
 
 
 def test_calculate_per_token_loss_is_token_mean(base):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import re
 
 import pytest
@@ -35,6 +36,7 @@ from slime_sparse.tasks.warm_start import (
     IGNORE_INDEX,
     WarmStartConfig,
     collate,
+    length_groups,
     lr_at,
     prompt_window_mask,
     response_loss,
@@ -331,7 +333,7 @@ def test_lr_schedule():
 def test_warm_start_lowers_loss_and_is_deterministic(tokenizer):
     rows = generate_dataset(16, seed=5, config=RepeatedAddConfig(min_count=1, max_count=3))
     batch = collate(tokenizer, rows)
-    cfg = WarmStartConfig(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, seed=3, log_every=1000)
+    cfg = WarmStartConfig(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, seed=3)
     finals = []
     for _ in range(2):
         model = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)
@@ -373,6 +375,117 @@ def test_warm_start_time_budget_and_validation(tokenizer):
         warm_start(model, tokenizer, rows, WarmStartConfig(window_mask_prob=1.5), log=None)
     with pytest.raises(ValueError, match="window_range"):
         warm_start(model, tokenizer, rows, WarmStartConfig(window_range=(8, 4)), log=None)
+
+
+def test_length_groups_are_the_cheapest_split():
+    """Against every split of the sorted rows into contiguous parts (brute force), and every row once."""
+    import itertools
+    import random
+
+    rng = random.Random(0)
+    for _ in range(30):
+        lengths = [rng.choice([rng.randint(8, 14), rng.randint(40, 95)]) for _ in range(rng.randint(1, 9))]
+        overhead = rng.choice([0, 10, 256, 10_000])
+        parts = length_groups(lengths, overhead)
+        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        cost = lambda ps: sum(len(p) * max(lengths[i] for i in p) + overhead for p in ps)  # noqa: E731
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))])
+                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert cost(parts) == best
+    assert length_groups([12] * 16 + [90] * 16) == [list(range(16)), list(range(16, 32))]  # bare | worked
+    assert len(length_groups([12, 90], overhead=10_000)) == 1  # a part costs more than the padding it saves
+
+
+def test_micro_batches_give_the_batch_gradient(tokenizer):
+    """The warm start's split of a batch by length (loss sums over parts / the batch's tokens) is the same
+    loss and gradient as one padded batch, window masks included."""
+    from slime_sparse.tasks.warm_start import collate_encoded, encode, response_nll
+
+    rows = with_direct_answers(generate_dataset(12, seed=2, config=RepeatedAddConfig(min_count=2, max_count=5)), 0.5, 0)
+    enc = encode(tokenizer, rows)
+    windows = torch.tensor([0, 6, 0, 0, 8, 0, 0, 0, 7, 0, 0, 0])
+    model = build_tiny_model(tokenizer, MICRO_MODEL, seed=1)
+
+    def run(parts):
+        model.zero_grad()
+        count = sum(len(r) for _, r in enc)
+        value = 0.0
+        for part in parts:
+            batch = collate_encoded([enc[i] for i in part], tokenizer.pad_token_id)
+            if bool(windows[part].any()):
+                batch["attention_mask"] = prompt_window_mask(batch["attention_mask"], batch["prompt_lens"],
+                                                             windows[part])
+            loss = response_nll(model, batch)[0] / count
+            loss.backward()
+            value += loss.item()
+        return value, [p.grad.clone() for p in model.parameters()]
+
+    whole, whole_grad = run([list(range(12))])
+    parts = length_groups([len(p) + len(r) for p, r in enc], overhead=0)
+    assert len(parts) > 1
+    split, split_grad = run(parts)
+    assert split == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(whole_grad, split_grad):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_an_interrupted_warm_start_resumes_to_the_same_weights(tokenizer, tmp_path, monkeypatch):
+    ws = sys.modules["slime_sparse.tasks.warm_start"]  # the package exports a function of the same name
+
+    rows = with_direct_answers(generate_dataset(24, seed=5, config=RepeatedAddConfig(min_count=1, max_count=3)), 0.5, 0)
+    cfg = WarmStartConfig(steps=25, batch_size=6, lr=1e-2, warmup_steps=3)
+    straight = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)
+    warm_start(straight, tokenizer, rows, cfg, log=None, progress=False)
+
+    ckpt = tmp_path / "warm.ckpt"
+    monkeypatch.setattr(ws, "length_groups", _raise_after(ws.length_groups, 17))  # once per step: stops in step 18
+    with pytest.raises(KeyboardInterrupt):
+        warm_start(build_tiny_model(tokenizer, MICRO_MODEL, seed=0), tokenizer, rows, cfg, log=None,
+                   checkpoint=ckpt, checkpoint_every=5, progress=False)
+    monkeypatch.undo()
+    assert ckpt.is_file()
+    resumed = build_tiny_model(tokenizer, MICRO_MODEL, seed=0)  # the fresh weights a rerun builds first
+    metrics = warm_start(resumed, tokenizer, rows, cfg, log=None, checkpoint=ckpt, checkpoint_every=5, progress=False)
+    assert metrics.resumed_from == 15 and metrics.steps == 25
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
+
+
+def test_an_interrupted_asset_build_resumes(tmp_path, monkeypatch):
+    ws = sys.modules["slime_sparse.tasks.warm_start"]  # the package exports a function of the same name
+
+    config = _micro_assets(warm_start=WarmStartConfig(steps=8, batch_size=4))
+    reference = build_assets(tmp_path / "a", config, log=None, progress=False)
+    real = ws._train
+
+    def interrupted(*args):
+        args = list(args)
+        args[6] = 2  # checkpoint_every
+        monkeypatch.setattr(ws, "length_groups", _raise_after(ws.length_groups, 5))  # stops in step 6
+        return real(*args)
+
+    monkeypatch.setattr(ws, "_train", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        build_assets(tmp_path / "b", config, log=None, progress=False)
+    monkeypatch.undo()
+    partial = tmp_path / "b" / f".repeated_add-{config.key()}.partial"
+    assert (partial / "warm_start.ckpt").is_file() and not (tmp_path / "b" / reference.root.name).exists()
+    resumed = build_assets(tmp_path / "b", config, log=None, progress=False)
+    assert not resumed.cache_hit and not partial.exists()
+    assert not (resumed.root / "warm_start.ckpt").exists()
+    weights = "model.safetensors"
+    assert (resumed.model_dir / weights).read_bytes() == (reference.model_dir / weights).read_bytes()
+
+
+def _raise_after(fn, n):
+    calls = {"n": 0}
+
+    def wrapped(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > n:
+            raise KeyboardInterrupt
+        return fn(*args, **kwargs)
+    return wrapped
 
 
 # ---------------------------------------------------------------- sampling helper
@@ -442,7 +555,7 @@ def _micro_assets(**overrides) -> AssetsConfig:
     base = dict(
         task=RepeatedAddConfig(min_count=1, max_count=3),
         model=MICRO_MODEL,
-        warm_start=WarmStartConfig(steps=2, batch_size=4, log_every=1000),
+        warm_start=WarmStartConfig(steps=2, batch_size=4),
         n_train=40,
         n_test=8,
     )
@@ -490,8 +603,8 @@ def test_assets_key_depends_on_every_parameter(tmp_path):
     keys = {base.key()} | {v.key() for v in variants}
     assert len(keys) == 1 + len(variants)
     assert base.key() == _micro_assets().key()
-    # Logging frequency does not change the assets.
-    assert _micro_assets(warm_start=WarmStartConfig(steps=2, batch_size=4, log_every=1)).key() == base.key()
+    # the warm start's threads change its float sums, hence the assets
+    assert _micro_assets(warm_start=WarmStartConfig(steps=2, batch_size=4, threads=None)).key() != base.key()
     other = build_assets(tmp_path, _micro_assets(warm_start=None), log=None)
     assert not other.cache_hit and other.root.name.endswith(_micro_assets(warm_start=None).key())
     assert other.metadata()["warm_start"] is None

@@ -10,7 +10,7 @@ from slime_sparse.train import main
 from tiny_runs import read_metrics
 from tiny_runs import run_args as args
 
-# every metric family the run must log (design.md section 2)
+# every metric family the run must log (docs/algorithm.md, "Metrics every run logs")
 REQUIRED = [
     "rollout/reward_mean", "rollout/response_len_mean", "correction/seq_reject_rate", "correction/token_reject_rate",
     "correction/xi_mean", "correction/xi_min", "correction/xi_max", "correction/truncate_frac",
@@ -84,3 +84,15 @@ def test_malformed_data_row_is_one_line_without_traceback(assets, tmp_path, caps
     error_lines = [line for line in err.splitlines() if line.startswith("error: ")]
     assert error_lines == [f"error: --prompt-data {bad}: row 3 (0-based), line 4: not valid JSON "
                            "(Expecting value: line 1 column 29 (char 28))"]
+
+
+def test_the_run_directory_is_printed_when_only_save_is_given(assets, tmp_path, capsys, monkeypatch):
+    """slime users pass --save alone: the metrics then go to the default run directory, which the run says."""
+    monkeypatch.chdir(tmp_path)
+    argv = args(assets, tmp_path / "unused", 1, "--save", str(tmp_path / "ckpt"))
+    i = argv.index("--run-dir")
+    assert main(argv[:i] + argv[i + 2:]) == 0
+    err = capsys.readouterr().err
+    assert f"run directory: runs/default (config.yaml, metrics.jsonl, summary.json); checkpoints: {tmp_path / 'ckpt'}" \
+        in err
+    assert (tmp_path / "runs" / "default" / "metrics.jsonl").is_file() and (tmp_path / "ckpt").is_dir()

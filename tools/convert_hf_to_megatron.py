@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     args = converter_parser(__doc__, "--hf-dir", "HF model directory (config.json + safetensors)", "to save at",
                             "parameter dtype").parse_args(argv)
     hide_gpus()
-    hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
-    print(f"wrote Megatron checkpoint (TP={args.tp}, PP={args.pp}, {args.dtype}) to {args.out_dir}")
+    dtype = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    print(f"wrote Megatron checkpoint (TP={args.tp}, PP={args.pp}, {dtype}) to {args.out_dir}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ def main(argv: list[str] | None = None) -> None:
     args = converter_parser(__doc__, "--megatron-dir", "Megatron checkpoint directory", "to load with",
                             "dtype of the written weights").parse_args(argv)
     hide_gpus()
-    megatron_to_hf(args.megatron_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
-    print(f"wrote HF checkpoint ({args.dtype}) to {args.out_dir}")
+    dtype = megatron_to_hf(args.megatron_dir, args.out_dir, tp=args.tp, pp=args.pp, dtype=args.dtype)
+    print(f"wrote HF checkpoint ({dtype}) to {args.out_dir}")
 
 
 if __name__ == "__main__":

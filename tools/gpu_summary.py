@@ -9,9 +9,9 @@ environment step's import lines. Standard library only.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
-import sys
 from pathlib import Path
 
 
@@ -131,7 +131,15 @@ def summary(out: Path) -> str:
     return "\n".join(lines)
 
 
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", metavar="OUT", help="the directory tools/gpu_checks.sh wrote (steps.tsv, logs)")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    if not (out / "steps.tsv").is_file():
+        parser.error(f"{out}: no steps.tsv here (not a directory tools/gpu_checks.sh wrote)")
+    print(summary(out))
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python tools/gpu_summary.py OUT")
-    print(summary(Path(sys.argv[1])))
+    main()  # returns (no SystemExit): gpu_checks.sh's callers may run it in their own process (runpy)

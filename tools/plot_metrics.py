@@ -3,9 +3,10 @@
 
     python tools/plot_metrics.py RUN_DIR [--keys KEY ...] [--out-dir DIR] [--smooth 0.6]
 
-Default keys: reward, KV savings, sequence rejection rate, mismatch k3 KL, effective batch size, generated tokens per
-trained token (dynamic sampling). Keys the run did not log are skipped with a note; when none is found the
-available keys are listed and the exit status is 1.
+Default keys: evaluation accuracy (`eval/pass@1`: every mode and set in one panel), reward, KV savings, sequence
+rejection rate, mismatch k3 KL and its sparsity / numeric split (points: logged every 10th rollout), effective batch
+size, generated tokens per trained token (dynamic sampling). Keys the run did not log are skipped with a note; when
+none is found the available keys are listed and the exit status is 1.
 """
 from __future__ import annotations
 

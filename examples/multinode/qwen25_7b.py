@@ -7,7 +7,7 @@
 
 Node 1: 8 Megatron learner ranks (TP 2 x DP 4, bf16, distributed optimizer) training from the HF directory
 directly. Node 2: 8 rollout engines, one patched SGLang server each (R-KV, budget 512 + buffer 128, window 8),
-fed by NCCL broadcast from learner rank 0. Recipe (design.md section 2, the authors' code): GRPO with std
+fed by NCCL broadcast from learner rank 0. Recipe (docs/algorithm.md, the authors' code): GRPO with std
 normalisation, eps 0.2, KL k3 1e-4, `mis` correction (truncate 1.5, mask [0.5, 1.5], veto 1e-4, batch
 normalisation), Adam 1e-6 / wd 0.1 / betas (0.9, 0.98), 128 prompts x 8 samples, global batch 256 (4 optimizer
 steps per rollout), responses up to 4096 tokens at temperature 1, 100 rollouts. The data are jsonl rows with a

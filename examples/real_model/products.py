@@ -1,8 +1,8 @@
 """The task SmolLM2-135M-Instruct can learn here: reasoning-gym `products`, 2 factors of 1 digit.
 
-design.md section 5 measured it: with the system message below, reading the answer from the last
-"Answer:" line or else the last integer, the model scores ~0.4 at temperature 0.7 with most groups of 4
-samples mixed (a GRPO gradient), ~0.8 greedy. The space holds 100 distinct problems (0-9 x 0-9), so the
+docs/architecture.md ("The real-model task") has the measurement: with the system message below, reading the
+answer from the last "Answer:" line or else the last integer, the model scores ~0.4 at temperature 0.7 with most
+groups of 4 samples mixed (a GRPO gradient), ~0.8 greedy. The space holds 100 distinct problems (0-9 x 0-9), so the
 evaluation set is all of them and training samples from the same space: the recipe measures whether RL
 raises accuracy on the task, not generalisation.
 

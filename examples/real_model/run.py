@@ -30,7 +30,7 @@ sys.path.insert(0, REPO)
 from slime_sparse.utils.logging import read_metrics  # noqa: E402
 from slime_sparse.utils.plots import plot_metrics  # noqa: E402
 
-# 16 prompts x 4 samples a rollout, 2 optimizer steps of 32; temperature 0.7 (design.md section 5: reward
+# 16 prompts x 4 samples a rollout, 2 optimizer steps of 32; temperature 0.7 (docs/architecture.md: reward
 # ~0.4 with most groups mixed); KV cycles between 32 and 48 tokens of ~100 (KV savings ~0.6).
 RECIPE = [
     "--input-key", "prompt", "--label-key", "label", "--apply-chat-template",

@@ -154,7 +154,8 @@ def plot_study(run_dirs: dict[str, list[str]], path: str, title: str) -> str:
 def run_one(variant: str, seed: int, run_dir: str, cache_dir: str, extra: list[str], threads: int) -> int:
     """One run.py run in a child process (its output in <run_dir>.log); returns its exit code."""
     cmd = [sys.executable, os.path.join(HERE, "run.py"), "--variant", variant, "--cache-dir", cache_dir,
-           "--run-dir", run_dir, "--", "--no-progress-bar", *extra, "--seed", str(seed)]  # the last --seed wins
+           "--run-dir", run_dir, "--threads", str(threads),
+           "--", "--no-progress-bar", *extra, "--seed", str(seed)]  # the last --seed wins
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     os.makedirs(os.path.dirname(os.path.abspath(run_dir)), exist_ok=True)
     with open(run_dir + ".log", "a", encoding="utf-8") as log:

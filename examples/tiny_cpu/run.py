@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
 
 from slime_sparse.tasks.assets import AssetsConfig, build_assets
+from slime_sparse.tasks.warm_start import torch_threads
 from slime_sparse.train import main as train_main
 from slime_sparse.utils.logging import read_metrics
-from slime_sparse.utils.plots import plot_metrics
+from slime_sparse.utils.plots import SUMMARY_FILE, plot_metrics
 
 # A variant is a name and the flags it adds to the recipe; the study (compare.py) runs every row on the same
 # seeds. Add a row to compare another configuration of the same loop.
@@ -124,11 +126,23 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     parser.add_argument("--run-dir", default=None, help="default: runs/tiny_cpu_<variant>")
     parser.add_argument("--assets-only", action="store_true",
                         help="build (or find) the assets and stop (tools/fetch_gpu_wheels.sh prepares a GPU run so)")
+    parser.add_argument("--threads", type=int, default=1, help=(
+        "torch threads (default 1: a second thread buys a model this small little, and on one thread the run's "
+        "digits are the same whatever the machine's core count)"))
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads={args.threads} must be >= 1")
+    with torch_threads(args.threads):  # restored after: a caller in the same process (the tests) keeps its own
+        return run(args, extra, assets_config or ASSETS)
+
+
+def run(args: argparse.Namespace, extra: list[str], assets_config: AssetsConfig) -> int:
     run_dir = args.run_dir or f"runs/tiny_cpu_{args.variant}"
 
+    # progress lines (the warm start's, the rollouts') go to the log when stderr is not a terminal
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     t0, c0 = time.perf_counter(), time.process_time()
-    assets = build_assets(args.cache_dir, assets_config or ASSETS)
+    assets = build_assets(args.cache_dir, assets_config)
     meta = json.loads(assets.metadata_path.read_text())
     print(f"assets ready in {time.perf_counter() - t0:.0f}s ({time.process_time() - c0:.0f}s CPU, "
           f"{meta.get('num_parameters')} parameters): {assets.root}")
@@ -142,12 +156,16 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     ])
     if rc:
         return rc
-    plots = plot_metrics(run_dir)
+    # plots only when the metrics are newer (a rerun of a complete run changes nothing in its directory)
+    summary_png = os.path.join(run_dir, "plots", SUMMARY_FILE)
+    if not os.path.isfile(summary_png) or \
+            os.path.getmtime(summary_png) < os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")):
+        plot_metrics(run_dir)
     # CPU time (all threads) next to wall time: on a shared machine the wall clock says little
     print(f"\nSparse-RL tiny run ({args.variant}), {time.perf_counter() - t1:.0f}s of training "
           f"({time.process_time() - c1:.0f}s CPU), {time.perf_counter() - t0:.0f}s in all\n")
     print(summary_table(run_dir))
-    print(f"\nmetrics: {run_dir}/metrics.jsonl   plots: {os.path.dirname(plots.files[-1]) if plots.files else '-'}")
+    print(f"\nmetrics: {run_dir}/metrics.jsonl   plots: {os.path.dirname(summary_png)}")
     print("dense GRPO, naive sparse and Sparse-RL side by side over seeds: python examples/tiny_cpu/compare.py "
           "(the measured study: examples/tiny_cpu/README.md)")
     return 0

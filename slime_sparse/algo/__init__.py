@@ -1,12 +1,18 @@
 """The Sparse-RL objective, shared by every backend: pure torch, no engine or learner imports.
 
-- advantages: GRPO / Dr.GRPO group-normalised advantages.
+- advantages: the estimators (GRPO / Dr.GRPO, GSPO, RLOO, REINFORCE++ and its baseline variant).
 - correction: the rollout-correction algebra (weights at token / sequence / geometric level, truncate or mask,
   rejection statistics, veto, OPSM, batch normalisation, bypass) and its presets (ours and verl's).
 - loss: clipped PPO surrogate with xi outside the clip, KL and entropy terms, slime's aggregation modes.
 - metrics: sampler/learner mismatch diagnostics (total and its sparsity / numeric split), their alarms, KV savings.
 """
-from slime_sparse.algo.advantages import broadcast_to_tokens, grpo_advantages
+from slime_sparse.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageSpec,
+    broadcast_to_tokens,
+    compute_advantages,
+    grpo_advantages,
+)
 from slime_sparse.algo.correction import (
     ALL_PRESETS,
     PRESETS,
@@ -37,7 +43,9 @@ from slime_sparse.algo.metrics import (
 )
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "AGG_MODES",
+    "AdvantageSpec",
     "ALL_PRESETS",
     "KL_TYPES",
     "LOSS_TYPES",
@@ -51,6 +59,7 @@ __all__ = [
     "aggregate",
     "broadcast_to_tokens",
     "categorical_kl",
+    "compute_advantages",
     "crossed_alarms",
     "grpo_advantages",
     "kl_estimate",

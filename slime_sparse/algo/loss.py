@@ -7,6 +7,10 @@ Per token t of a kept sequence (r_t = pi_theta / pi_old, xi-weight w_t from `cor
     kl_t  = KL estimator between pi_theta and pi_ref (k1 / k2 / k3 / low_var_kl)
     loss  = agg(pg) + kl_loss_coef * agg(kl) - entropy_coef * agg(entropy)
 
+GSPO (`ratio_level="sequence"`): r_t is the sequence's s_i = exp(mean_t log(pi_theta / pi_old)) at every kept
+token t of sequence i, so the clip acts on whole sequences; w_t is then a sequence-level weight too (the run
+config refuses a token-level one: `advantages.check_composition`).
+
 `agg` is one of slime's / verl's aggregation modes over the (post-rejection) mask, so rejected tokens
 leave the denominators too. Padded layout: every per-token tensor is [B, T] with a 0/1 mask [B, T].
 """
@@ -25,6 +29,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # (Shadow Mask Distillation, arXiv 2605.06850).
 LOSS_TYPES = ("sparse_rl", "shadow", "smd")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+# token: r_t = pi_theta / pi_old per token (PPO, GRPO). sequence: GSPO's s_i = exp(mean_t log r_t), one ratio per
+# sequence, set by --advantage-estimator gspo (slime's spelling; verl: policy_loss.loss_mode=gspo).
+RATIO_LEVELS = ("token", "sequence")
 
 # log(pi_theta / pi_old) is clamped before exp, as verl does: a ratio of e^20 is already absurd and an
 # inf ratio would turn the clipped branch's zero gradient into 0 * inf = NaN in backward.
@@ -63,6 +70,9 @@ class LossConfig:
     smd_kl_coef: float = field(default=0.1, metadata={"help": (
         "lambda of --loss-type smd: weight of the full-vocabulary KL(pi_dense || stopgrad(pi_shadow)) per "
         "response token, aggregated like the policy loss (--loss-agg-mode)")})
+    ratio_level: str = field(default="token", metadata={"help": (
+        "token: PPO's ratio per token | sequence: GSPO's exp(mean_t log(pi_theta / pi_old)) per sequence. No flag "
+        "of its own: --advantage-estimator gspo sets it")})
 
     @property
     def trains_shadow(self) -> bool:
@@ -110,6 +120,8 @@ class LossConfig:
             bad("loss_type", self.loss_type, f"choose one of {LOSS_TYPES} (slime's policy_loss is sparse_rl)")
         if not (math.isfinite(self.smd_kl_coef) and self.smd_kl_coef >= 0):
             bad("smd_kl_coef", self.smd_kl_coef, "must be a finite number >= 0")
+        if self.ratio_level not in RATIO_LEVELS:
+            bad("ratio_level", self.ratio_level, f"choose one of {RATIO_LEVELS}")
         if not math.isfinite(self.entropy_coef) or self.entropy_coef < 0:
             bad("entropy_coef", self.entropy_coef, "must be a finite number >= 0")
         if self.norm_len is not None and (
@@ -281,7 +293,14 @@ def policy_loss(
     adv = advantages.detach()
     adv = safe(adv[:, None].expand_as(logp) if adv.dim() == 1 else adv)
 
-    log_ratio = (logp_s - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = logp_s - old
+    if cfg.ratio_level == "sequence":
+        # GSPO: s_i = exp(mean_t log r_t) over the sequence's kept tokens, the same value at each of its tokens;
+        # each token's gradient is s_i * grad log pi_theta(y_t), verl's sg[log s_i] + logp - sg[logp] (slime
+        # differentiates the mean itself: the same gradient under seq-mean-token-mean, the mode GSPO requires).
+        seq = torch.where(on, log_ratio, zero).sum(-1) / on.sum(-1).clamp_min(1)
+        log_ratio = seq.detach()[:, None] + logp_s - logp_s.detach()
+    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)

@@ -7,12 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from slime_sparse.algo.advantages import ADVANTAGE_ESTIMATORS, WHITENED_ESTIMATORS, AdvantageSpec
 from slime_sparse.flags import choice, flag, non_negative, positive
 from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.utils.imports import load_function
 
 ROLLOUT_ENGINES = ("embedded", "sglang")
-ADVANTAGE_ESTIMATORS = ("grpo",)
 # our former estimator name, kept as a spelling of slime's --disable-grpo-std-normalization
 DR_GRPO = "dr_grpo"
 DEFAULT_ROLLOUT_FUNCTION = "slime_sparse.rollout_fn.generate_rollout"
@@ -38,10 +38,16 @@ class RolloutConfig:
         "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
         "--disable-cuda-graph (SGLang's name) runs them eagerly. SGLang servers: --sglang-cuda-graph")})
     advantage_estimator: str = field(default="grpo", metadata={"help": (
-        "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples; dr_grpo is accepted as the spelling of "
-        "grpo with --disable-grpo-std-normalization")})
+        "grpo: A = (R - mean) / (std + 1e-6) over a prompt's samples | gspo: grpo's A with GSPO's sequence-level "
+        "PPO ratio | rloo: A = R - mean of the other samples | reinforce_plus_plus_baseline: R - mean, whitened over "
+        "the batch | reinforce_plus_plus: R whitened over the batch (slime's names; rloo is verl's; "
+        "docs/algorithm.md). dr_grpo is accepted as the spelling of grpo with --disable-grpo-std-normalization")})
     grpo_std_normalization: bool = field(default=True, metadata={"help": (
-        "divide GRPO advantages by the group's std; --disable-grpo-std-normalization: A = R - mean (Dr.GRPO)")})
+        "divide grpo / gspo advantages by the group's std; --disable-grpo-std-normalization: A = R - mean "
+        "(Dr.GRPO)")})
+    normalize_advantages: bool | None = field(default=None, metadata={"help": (
+        "whiten the advantages over the rollout's response tokens, (A - mean) / std (slime's; it requires it for "
+        "both REINFORCE++ estimators). Default: on for those, off for the others (slime: off)")})
     over_sampling_batch_size: int | None = field(default=None, metadata={"help": (
         "prompts the first generation round draws (slime's; default --rollout-batch-size): rounds repeat until the "
         "batch holds --rollout-batch-size groups that pass --dynamic-sampling-filter-path. Later rounds draw what is "
@@ -77,6 +83,13 @@ class RolloutConfig:
         return cls(**values)
 
     @property
+    def advantage_spec(self) -> AdvantageSpec:
+        """How the rollout's rewards become advantages (`algo.advantages`)."""
+        whiten = self.advantage_estimator in WHITENED_ESTIMATORS if self.normalize_advantages is None \
+            else self.normalize_advantages
+        return AdvantageSpec(self.advantage_estimator, self.grpo_std_normalization, whiten)
+
+    @property
     def sampling_batch_size(self) -> int:
         """--over-sampling-batch-size as resolved: prompts the first generation round draws."""
         return self.over_sampling_batch_size or self.rollout_batch_size
@@ -88,7 +101,8 @@ class RolloutConfig:
             raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB of KV memory)")
         choice(self, "engine", ROLLOUT_ENGINES)
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
-        if self.n_samples_per_prompt == 1:
+        self.advantage_spec.validate()
+        if self.n_samples_per_prompt == 1 and self.advantage_estimator != "reinforce_plus_plus":
             # Refused, not warned: every advantage would be 0 and the run would train nothing (slime's std of one
             # sample is NaN; verl quietly drops the baseline and trains on the raw reward instead).
             raise ValueError(f"{flag(self, 'n_samples_per_prompt')}=1 is invalid with "

@@ -9,14 +9,17 @@ so a rerun with the same parameters is a cache hit and any change builds a fresh
     train.jsonl        {"prompt", "label", "response"} per line ("response" = reference scratchpad)
     test.jsonl         disjoint from train
     assets.json        the parameters and the warm-start metrics
+
+A build happens in `.repeated_add-<hash>.partial/` and is renamed into place when complete, so an interrupted
+build never looks like a cache hit; it is resumable (the warm start checkpoints itself there: a rerun continues
+where it stopped), and concurrent builders of the same assets take turns (a lock file in that directory).
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +37,10 @@ from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, cou
 from slime_sparse.tasks.tokenizer import DEFAULT_CHARSET, build_char_tokenizer, save_tokenizer
 from slime_sparse.tasks.warm_start import WarmStartConfig, warm_start
 
-ASSETS_FORMAT_VERSION = 1  # bump when the layout or the generation code changes meaning
+# bump when the layout or the generation code changes meaning (2: the warm start on one thread, in micro-batches
+# of similar length)
+ASSETS_FORMAT_VERSION = 2
+_WARM_CHECKPOINT = "warm_start.ckpt"  # in the .partial directory while the warm start runs
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,6 @@ class AssetsConfig:
     def key(self) -> str:
         """Short stable hash of every parameter that changes the assets (and the format version)."""
         params = asdict(self)
-        if params["warm_start"] is not None:
-            params["warm_start"].pop("log_every")  # logging only
         payload = json.dumps({"version": ASSETS_FORMAT_VERSION, **params}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -105,11 +109,14 @@ def build_assets(
     cache_dir: str | Path,
     config: AssetsConfig = AssetsConfig(),
     log: Callable[[str], None] | None = print,
+    progress: bool = True,
 ) -> AssetPaths:
     """Return the asset paths for `config`, building them first unless they are already cached.
 
-    The directory is built under a temporary name and renamed into place when complete, so an
-    interrupted build never looks like a cache hit and concurrent builders do not clash.
+    The build runs in a `.partial` directory renamed into place when complete: an interrupted build never looks
+    like a cache hit, and the next call resumes it (the warm start from its last checkpoint). Concurrent builders
+    of the same assets take turns on a lock; the later one finds the finished copy. `progress`: the warm start's
+    progress bar.
     """
     config.validate()
     cache_dir = Path(cache_dir).expanduser()
@@ -118,28 +125,27 @@ def build_assets(
         if log is not None:
             log(f"assets: cache hit {final}")
         return AssetPaths.under(final, cache_hit=True)
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        metadata = _build_into(staging, config, log)
-        (staging / "assets.json").write_text(json.dumps(metadata, indent=2))
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not (final / "assets.json").is_file():  # not a concurrent builder's finished copy
-                raise
-            shutil.rmtree(staging, ignore_errors=True)
+    partial = cache_dir / f".{final.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    with open(partial / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another builder of the same assets: wait for it
+        if (final / "assets.json").is_file():  # it finished them (and renamed its .partial, or we made a new one)
+            if partial.is_dir() and [p.name for p in partial.iterdir()] == [".lock"]:
+                (partial / ".lock").unlink(missing_ok=True)
+                partial.rmdir()
             return AssetPaths.under(final, cache_hit=True)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        if log is not None:
+            log(f"assets: building {final} (the warm start resumes if interrupted)")
+        metadata = _build_into(partial, config, log, progress)
+        (partial / "assets.json").write_text(json.dumps(metadata, indent=2))
+        (partial / _WARM_CHECKPOINT).unlink(missing_ok=True)
+        os.rename(partial, final)
     if log is not None:
         log(f"assets: built {final}")
     return AssetPaths.under(final, cache_hit=False)
 
 
-def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | None) -> dict:
+def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | None, progress: bool) -> dict:
     paths = AssetPaths.under(root, cache_hit=False)
     train = generate_dataset(config.n_train, seed=config.seed, config=config.task)
     test = generate_dataset(
@@ -156,8 +162,9 @@ def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | N
     warm_metrics = None
     if config.warm_start is not None:
         demos = with_direct_answers(train, config.direct_answer_frac, seed=config.seed)
-        metrics = warm_start(model, tokenizer, demos, config.warm_start, log=log)
-        warm_metrics = {k: v for k, v in asdict(metrics).items() if k != "losses"}
+        metrics = warm_start(model, tokenizer, demos, config.warm_start, log=log, checkpoint=root / _WARM_CHECKPOINT,
+                             progress=progress)
+        warm_metrics = {k: v for k, v in asdict(metrics).items() if k not in ("losses", "resumed_from", "seconds")}
         warm_metrics["loss_curve"] = metrics.losses[:: max(1, len(metrics.losses) // 50)]
     _save_model(model, tokenizer, paths.model_dir)
     return {

@@ -12,13 +12,20 @@ from slime_sparse.utils.logging import read_metrics
 
 logger = logging.getLogger(__name__)
 
-# Reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL) and its sparsity / numeric parts,
-# the tail statistics the peers alarm on (Sparrow's p5 of pi_old / pi_sparse, verl's IS effective sample size), samples
-# that carry a gradient, and what dynamic sampling costs (tokens generated per token trained; 1 without it).
-DEFAULT_PLOT_KEYS = ("rollout/reward_mean", "kv/savings", "correction/seq_reject_rate", "mismatch/k3",
-                     "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5", "correction/is_ess",
-                     "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
+# One panel of every evaluation's greedy accuracy: eval_<mode>/pass@1 and eval_<mode>/<set>/pass@1, one line each
+# (dense, sparse, per named set). Not a metric of its own: a key `plot_metrics` gathers.
+EVAL_ACCURACY_KEY = "eval/pass@1"
+_EVAL_KEY = re.compile(r"^eval_([^/]+)/(?:(.+)/)?pass@1$")
+# Evaluation accuracy (the headline), reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL)
+# and its sparsity / numeric parts, the tail statistics the peers alarm on (Sparrow's p5 of pi_old / pi_sparse, verl's
+# IS effective sample size), samples that carry a gradient, and what dynamic sampling costs (tokens generated per
+# token trained; 1 without it).
+DEFAULT_PLOT_KEYS = (EVAL_ACCURACY_KEY, "rollout/reward_mean", "kv/savings", "correction/seq_reject_rate",
+                     "mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5",
+                     "correction/is_ess", "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
 SUMMARY_FILE = "summary.png"
+
+Series = tuple[str, list[int], list[float]]  # (label, steps, values)
 
 
 @dataclass
@@ -49,6 +56,22 @@ def ema(values: Sequence[float], weight: float) -> list[float]:
     return out
 
 
+def panel_series(records: Sequence[dict], key: str) -> list[Series]:
+    """The curves of one panel: the metric `key` itself, or for EVAL_ACCURACY_KEY every evaluation's pass@1
+    (labelled "dense", "sparse", "dense gsm8k", ...)."""
+    if key != EVAL_ACCURACY_KEY:
+        steps, values = metric_series(records, key)
+        return [(key, steps, values)] if steps else []
+    out = []
+    names = {k for r in records for k in r if _EVAL_KEY.match(k)}
+    for name in sorted(names, key=lambda k: tuple(g or "" for g in _EVAL_KEY.match(k).groups())):  # dense first
+        mode, dataset = _EVAL_KEY.match(name).groups()
+        steps, values = metric_series(records, name)
+        if steps:
+            out.append((mode if dataset is None else f"{mode} {dataset}", steps, values))
+    return out
+
+
 def available_keys(records: Sequence[dict]) -> list[str]:
     return sorted({k for r in records for k in r if k not in ("step", "time")})
 
@@ -72,18 +95,18 @@ def plot_metrics(
     os.makedirs(out_dir, exist_ok=True)
 
     result = PlotResult()
-    series = {}
+    series: dict[str, list[Series]] = {}
     for key in keys:
-        steps, values = metric_series(records, key)
-        if steps:
-            series[key] = (steps, values)
+        curves = panel_series(records, key)
+        if curves:
+            series[key] = curves
         else:
             result.missing_keys.append(key)
             logger.info("metric %r has no finite value in %s: not plotted", key, run_dir)
 
-    for key, (steps, values) in series.items():
+    for key, curves in series.items():
         fig, ax = _new_figure(1, 1, (6.0, 4.0))
-        _draw(ax[0], key, steps, values, smooth)
+        _draw(ax[0], key, curves, smooth)
         path = os.path.join(out_dir, _file_name(key) + ".png")
         _save(fig, path)
         result.files.append(path)
@@ -92,8 +115,8 @@ def plot_metrics(
         ncols = min(2, len(series))
         nrows = math.ceil(len(series) / ncols)
         fig, axes = _new_figure(nrows, ncols, (6.0 * ncols, 3.5 * nrows))
-        for ax, (key, (steps, values)) in zip(axes, series.items()):
-            _draw(ax, key, steps, values, smooth)
+        for ax, (key, curves) in zip(axes, series.items()):
+            _draw(ax, key, curves, smooth)
         for ax in axes[len(series):]:
             ax.set_visible(False)
         path = os.path.join(out_dir, SUMMARY_FILE)
@@ -110,14 +133,26 @@ def _new_figure(nrows: int, ncols: int, size: tuple[float, float]):
     return fig, axes
 
 
-def _draw(ax, key: str, steps: list[int], values: list[float], smooth: float) -> None:
-    if smooth:
-        ax.plot(steps, values, color="C0", alpha=0.3, linewidth=1.0, label="raw")
-        ax.plot(steps, ema(values, smooth), color="C0", linewidth=1.8, label=f"ema {smooth:g}")
+def _draw(ax, key: str, curves: list[Series], smooth: float) -> None:
+    """One panel. A metric logged on every rollout is a line; one logged on some rollouts only (the mismatch split,
+    every --mismatch-metrics-interval-th) is points, since a line would invent the rollouts in between; evaluations
+    (every --eval-interval) are lines through their points, one per mode / set."""
+    evals = key == EVAL_ACCURACY_KEY
+    for i, (label, steps, values) in enumerate(curves):
+        color = f"C{i}"
+        consecutive = all(b - a == 1 for a, b in zip(steps, steps[1:]))
+        if evals:
+            ax.plot(steps, values, color=color, linewidth=1.5, marker="o", markersize=4, label=label)
+        elif not consecutive:
+            ax.plot(steps, values, color=color, linestyle="none", marker="o", markersize=4)
+        elif smooth:
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1.0, label="raw")
+            ax.plot(steps, ema(values, smooth), color=color, linewidth=1.8, label=f"ema {smooth:g}")
+        else:
+            ax.plot(steps, values, color=color, linewidth=1.5, marker="." if len(steps) < 50 else None)
+    if ax.get_legend_handles_labels()[1]:
         ax.legend(loc="best", fontsize="small")
-    else:
-        ax.plot(steps, values, color="C0", linewidth=1.5, marker="." if len(steps) < 50 else None)
-    ax.set_title(key)
+    ax.set_title("eval accuracy (pass@1)" if evals else key)
     ax.set_xlabel("step")
     ax.grid(True, alpha=0.3)
 

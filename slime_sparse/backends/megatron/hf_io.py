@@ -42,6 +42,10 @@ class HFWeights(Mapping[str, Tensor]):
     def __getitem__(self, name: str) -> Tensor:
         return self._where[name].get_tensor(name)
 
+    def stored_dtype(self, name: str) -> str:
+        """safetensors' name of the tensor's dtype ("F32", "BF16", ...), read from the header alone."""
+        return self._where[name].get_slice(name).get_dtype()
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 
