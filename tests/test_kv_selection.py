@@ -150,3 +150,18 @@ def test_rkv_redundancy_chain_and_row_without_duplicate():
 def test_config_validation_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         KVCompressConfig(**kwargs).validate()
+
+
+def test_rkv_redundancy_in_half_precision_finds_near_duplicates_as_in_fp32():
+    """On bf16 keys the near-duplicate search runs in bf16 (R-KV's own precision) while the sums stay fp32: the fp32
+    computation's redundancy on the same (bf16-representable) keys, but where a similarity lies within bf16's rounding
+    of the threshold (then the fallback j* = 0 and a real duplicate trade places: a few 1e-5 at slot 0 here)."""
+    torch.manual_seed(0)
+    keys = torch.randn(3, 2, 120, 32)
+    keys[:, :, 40:50] = keys[:, :, 5:15] + 0.05 * torch.randn(3, 2, 10, 32)  # near-duplicates, well over 0.5
+    half = keys.bfloat16()
+    diff = (rkv_redundancy(half, 0.5) - rkv_redundancy(half.float(), 0.5)).abs()
+    assert diff.max() < 1e-4 and (diff > 1e-7).float().mean() < 0.25  # values are ~1 / 120
+    # the duplicates are found: the older copies are charged, the newest ones are not
+    red = rkv_redundancy(half, 0.5)
+    assert (red[..., 5:15].mean() > red[..., 40:50].mean()) and (red[..., 5:15].mean() > red[..., 60:].mean())

@@ -50,8 +50,7 @@ class RKV(KVMethod):
     def score(self, keys: Tensor, queries: Tensor, attn_mass: Tensor | None = None) -> Tensor:
         n = keys.shape[-2]
         m = scored_length(self.window, n)
-        keys = keys.float()  # once, for both terms
-        redundancy = rkv_redundancy(keys, self.sim_threshold)[..., :m]
+        redundancy = rkv_redundancy(keys, self.sim_threshold)[..., :m]  # its near-duplicates in the keys' dtype
         mixed = self.mix_lambda * self.importance(keys, queries) - (1.0 - self.mix_lambda) * redundancy
         return with_protected(mixed, n, self.sinks)
 
@@ -66,24 +65,36 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
     Faithful to R-KV's `cal_similarity`, including its fallback: a row with no near-duplicate marks index 0, so
     that row's similarity to slot 0 is zeroed too (slot 0 looks slightly less redundant).
 
-    Computed without keeping S: a column sum of S is u_j . sum_i u_i - u_j . u_j (u the unit keys), and only j*(i)
-    and S[i, j*(i)] need S itself, found block by block within `scratch_bytes` (default: SIM_SCRATCH_BYTES by
-    device). R-KV materialises S in fp32 and passes over it about seven times; this reads each block twice.
+    Computed without keeping S: a column sum of S is u_j . sum_i u_i - u_j . u_j (u the unit keys, fp32), and only
+    j*(i) and S[i, j*(i)] need S itself, found block by block within `scratch_bytes` (default: SIM_SCRATCH_BYTES by
+    device). R-KV materialises S and passes over it about seven times; this reads each block twice. The blocks are
+    computed in the keys' dtype when it is half precision (bf16 / fp16 caches on a GPU: tensor cores, half the bytes),
+    which is where R-KV's own code finds near-duplicates (its `cal_similarity` runs in the cache's dtype); the values
+    subtracted and the column sums stay fp32. fp32 keys: everything in fp32.
     """
     k = keys.float()
     unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
     n, d = unit.shape[-2:]
     flat = unit.reshape(-1, n, d)  # [E, n, d]: one entry per (leading index, head)
     columns = (flat @ flat.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (flat * flat).sum(dim=-1)  # [E, n]
+    half = keys.dtype in (torch.bfloat16, torch.float16)
+    search = flat.to(keys.dtype) if half else flat
     if scratch_bytes is None:
         scratch_bytes = SIM_SCRATCH_BYTES.get(keys.device.type, DEFAULT_SIM_SCRATCH_BYTES)
-    block = max(1, scratch_bytes // (4 * n * n))
+    block = max(1, scratch_bytes // (search.element_size() * n * n))
+    slots = torch.arange(n, device=keys.device)
     for start in range(0, flat.shape[0], block):
-        part = flat[start : start + block]
+        part = search[start : start + block]
         sim = part @ part.transpose(-1, -2)  # [b, n, n]
         sim.diagonal(dim1=-2, dim2=-1).zero_()
         newest = newest_duplicate(sim, sim_threshold)  # [b, n]
-        columns[start : start + block].scatter_add_(-1, newest, -sim.gather(-1, newest.unsqueeze(-1)).squeeze(-1))
+        if half:  # S[i, j*] in fp32, from the unit keys (0 on the diagonal, which S never counts)
+            own = flat[start : start + block]
+            value = (own * own.gather(1, newest.unsqueeze(-1).expand(-1, -1, d))).sum(dim=-1)
+            value = value.masked_fill(newest == slots, 0.0)
+        else:
+            value = sim.gather(-1, newest.unsqueeze(-1)).squeeze(-1)
+        columns[start : start + block].scatter_add_(-1, newest, -value)
     return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
 
 
