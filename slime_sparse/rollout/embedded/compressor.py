@@ -57,7 +57,7 @@ class Compressor:
         groups: dict[int, list[int]] = {}
         for layer, n in enumerate(sizes):
             groups.setdefault(n, []).append(layer)
-        nbits = self.record_shape[1] * sum(sizes[layer] for layer in self._stored_layers())
+        nbits = self.record_shape[1] * sum(sizes[: self.record_shape[0]])  # the stored layers' held slots, per head
         count = len(rows)
         if self.graphs is not None and bucket is not None:
             host = torch.tensor(rows + rows[:1] * (bucket - count), dtype=torch.int64).pin_memory()
@@ -66,10 +66,7 @@ class Compressor:
         else:
             packed = self._compact(to_device(rows, self.cache.device), groups, m)
         self.compactions += 1
-        return PackedBits(_to_host(packed[:count]), nbits)
-
-    def _stored_layers(self) -> range:
-        return range(self.record_shape[0])
+        return PackedBits(to_host(packed[:count]), nbits)
 
     def _layers(self, layers: list[int]) -> Tensor:
         key = tuple(layers)
@@ -105,7 +102,7 @@ def to_device(values: list[int], device: torch.device) -> Tensor:
     return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
 
 
-def _to_host(t: Tensor) -> Tensor:
+def to_host(t: Tensor) -> Tensor:
     """A host copy of `t` that does not wait for the device (pinned memory; valid once the stream gets there)."""
     if t.device.type != "cuda":
         return t.clone()

@@ -17,7 +17,7 @@ from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
 from .cache import BudgetKVCache
-from .compressor import Compressor, PackedBits, _to_host, to_device
+from .compressor import Compressor, PackedBits, to_host, to_device
 from .plan import build_plan
 from .step import CapturedGraphs, DecodeState, DecodeStep, decode_shapes
 
@@ -103,7 +103,7 @@ class ModelRunner:
         """Copy the tokens and log-probs of the last `steps` decode steps of rows [0, n) to the host without waiting,
         and start a new window; the event (CUDA) says when the copies are done."""
         st = self.state
-        tokens, logprobs = _to_host(st.out_tokens[:n, :steps]), _to_host(st.out_logprobs[:n, :steps])
+        tokens, logprobs = to_host(st.out_tokens[:n, :steps]), to_host(st.out_logprobs[:n, :steps])
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
