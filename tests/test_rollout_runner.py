@@ -90,3 +90,17 @@ def test_long_prompts_compress_together_while_prefilling():
     # 60 tokens through a 16-slot row: chunks of 16, then 4 at a time after each cut to 12, all 8 rows in step
     assert stats.compressions >= 8 * 10
     assert stats.compaction_calls * 8 == stats.compressions
+
+
+def test_a_call_split_across_engines_draws_the_same_tokens():
+    """Sample i draws from the stream of (seed, index_offset + i): a call split in two (as Ray splits one across its
+    engine actors) draws the tokens, log-probs and eviction records of the whole call."""
+    m = model()
+    batch = prompts(6)
+    whole = EmbeddedEngine(m, RKV, max_batch_size=4).generate(batch, PARAMS, seed=11)
+    first = EmbeddedEngine(m, RKV, max_batch_size=2).generate(batch[:3], PARAMS, seed=11, index_offset=0)
+    second = EmbeddedEngine(m, RKV, max_batch_size=3).generate(batch[3:], PARAMS, seed=11, index_offset=3)
+    for a, b in zip(whole, first + second):
+        assert a.response_ids == b.response_ids
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+        assert torch.equal(a.evictions.keep_bits, b.evictions.keep_bits)
