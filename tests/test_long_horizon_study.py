@@ -106,7 +106,7 @@ def test_recipe_flags_are_valid_for_every_variant(study, tmp_path):
     lh, _ = study
     import run
 
-    (tmp_path / "x.jsonl").write_text('{"prompt": "1,2;100+2*3=", "label": "1,2#106"}\n')
+    (tmp_path / "x.jsonl").write_text('{"prompt": "ab;100+2*3=", "label": "106>ab"}\n')
     for variant in lh.VARIANTS:
         cfg = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "x.jsonl"),
                            *lh.RECIPE, *run.VARIANTS[variant], "--kv-budget", str(lh.BUDGETS["quarter"])])
@@ -138,7 +138,7 @@ def test_micro_cell_runs_resumes_and_reports(study, tmp_path, monkeypatch, capsy
     cell = ["cell", "--variant", "sparse_rl", "--budget", "quarter", "--seed", "3", *common, *flags]
     assert lh.main(cell) == 0
     run_dir = lh.cell_dir(str(tmp_path / "runs"), "sparse_rl", "quarter", 3)
-    assert rep.is_complete(run_dir) and rep.last_step(run_dir) == 2
+    assert rep.is_complete(run_dir, 2) and not rep.is_complete(run_dir, 3) and rep.last_step(run_dir) == 2
     assert lh.main(cell) == 0  # complete: nothing to do, one more time record
     times = rep.load_run(run_dir).times
     assert [(t["from_rollout"], t["to_rollout"]) for t in times] == [(0, 2), (2, 2)]

@@ -17,6 +17,7 @@ from slime_sparse.tasks.long_recall import (
     parse_prompt,
     score,
     task_reward,
+    warm_start_demos,
     with_bare_answers,
 )
 from slime_sparse.tasks.tiny_model import TinyModelConfig
@@ -27,23 +28,23 @@ def _rederive(prompt: str, response: str) -> None:
     """Every step of a worked answer, re-derived from the prompt independently of the generator."""
     keys, expr = prompt.split(";")
     start, step, count = map(int, re.fullmatch(r"(\d+)\+(\d+)\*(\d+)=", expr).groups())
-    body, tail = response.split(">")
+    body, tail = response.split("#")
     steps = body.split(";")
     assert len(steps) == count
     total = start
     for i, text in enumerate(steps):
         assert text == f"{count - i}:{total}+{step}={total + step}"
         total += step
-    assert tail == f"{keys}#{total}"
+    assert tail == f"{total}>{keys}"
 
 
 def test_hand_example():
-    assert make_prompt([15, 64, 37, 82], 153, 7, 3) == "15,64,37,82;153+7*3="
-    assert make_response([15, 64, 37, 82], 153, 7, 3) == "3:153+7=160;2:160+7=167;1:167+7=174>15,64,37,82#174"
-    assert make_label([15, 64, 37, 82], 153, 7, 3) == "15,64,37,82#174"
-    assert bare_response("15,64,37,82#174") == ">15,64,37,82#174"
-    assert parse_prompt("15,64,37,82;153+7*3=") == ([15, 64, 37, 82], 153, 7, 3)
-    assert parse_label("15,64,37,82#174") == (["15", "64", "37", "82"], "174")
+    assert make_prompt("qxmf", 153, 7, 3) == "qxmf;153+7*3="
+    assert make_response("qxmf", 153, 7, 3) == "3:153+7=160;2:160+7=167;1:167+7=174#174>qxmf"
+    assert make_label("qxmf", 153, 7, 3) == "174>qxmf"
+    assert bare_response("174>qxmf") == "#174>qxmf"
+    assert parse_prompt("qxmf;153+7*3=") == ("qxmf", 153, 7, 3)
+    assert parse_label("174>qxmf") == ("qxmf", "174")
 
 
 def test_generated_answers_are_correct_long_and_in_the_charset():
@@ -53,7 +54,7 @@ def test_generated_answers_are_correct_long_and_in_the_charset():
     for row in rows:
         _rederive(row["prompt"], row["response"])
         keys, start, step, count = parse_prompt(row["prompt"])
-        assert len(set(keys)) == config.num_keys and all(config.min_key <= k <= config.max_key for k in keys)
+        assert len(set(keys)) == len(keys) == config.num_keys and set(keys) <= set(config.key_alphabet)
         assert config.min_start <= start <= config.max_start and config.min_count <= count <= config.max_count
         assert row["label"] == make_label(keys, start, step, count)
         assert set(row["prompt"] + row["response"]) <= set(DEFAULT_CHARSET)
@@ -71,14 +72,16 @@ def test_generation_is_seeded_and_splits_are_disjoint():
 
 
 def test_config_validation_and_capacity():
-    small = LongRecallConfig(num_keys=1, min_key=10, max_key=11, min_start=100, max_start=100, min_step=2,
+    small = LongRecallConfig(num_keys=1, key_alphabet="ab", min_start=100, max_start=100, min_step=2,
                              max_step=2, min_count=1, max_count=2)
     assert small.num_problems == 4
     assert len(generate_dataset(2, seed=0, config=small)) == 2
     with pytest.raises(ValueError, match="half"):
         generate_dataset(3, seed=0, config=small)
     with pytest.raises(ValueError, match="num_keys"):
-        LongRecallConfig(num_keys=3, min_key=10, max_key=11).validate()
+        LongRecallConfig(num_keys=3, key_alphabet="abb").validate()
+    with pytest.raises(ValueError, match="lowercase"):
+        LongRecallConfig(key_alphabet="ABCDE").validate()
     with pytest.raises(ValueError, match="max_count"):
         LongRecallConfig(min_count=5, max_count=4).validate()
     with pytest.raises(ValueError, match="min_count"):
@@ -91,35 +94,36 @@ def test_bare_answers_replace_a_seeded_fraction():
     rows = generate_dataset(400, seed=1)
     mixed = with_bare_answers(rows, 0.5, seed=2)
     assert mixed == with_bare_answers(rows, 0.5, seed=2)
-    bare = [m for m in mixed if m["response"].startswith(">")]
+    bare = [m for m in mixed if m["response"].startswith("#")]
     assert 0.4 < len(bare) / len(rows) < 0.6
     for m, r in zip(mixed, rows):
         assert m["prompt"] == r["prompt"] and m["label"] == r["label"]
-        assert m["response"] in (r["response"], ">" + r["label"])
+        assert m["response"] in (r["response"], "#" + r["label"])
         assert task_reward(m["response"], m["label"]) == 1.0  # both styles are well-formed, right demonstrations
     assert with_bare_answers(rows, 0.0, seed=2) == rows
     with pytest.raises(ValueError, match="fraction"):
         with_bare_answers(rows, 1.5, seed=0)
 
 
-LABEL = "15,64,37,82#174"
+LABEL = "174>qxmf"
 WORKED = "3:153+7=160;2:160+7=167;1:167+7=174"
 
 
 @pytest.mark.parametrize("response,finish_reason,expected", [
-    (WORKED + ">15,64,37,82#174", "stop", 1.0),
-    (WORKED + ">15,64,37,82#174</s>", "stop", 1.0),  # the EOS decoded with the text is stripped
-    (">15,64,37,82#174", "stop", 1.0),  # a right bare answer is a full score
-    (WORKED + ">15,64,37,82#175", "stop", 0.5),  # keys right, total wrong
-    (WORKED + ">15,64,99,82#174", "stop", 0.5 + 0.5 * 3 / 4),  # one key wrong
-    (WORKED + ">64,15,37,82#174", "stop", 0.5 + 0.5 * 2 / 4),  # keys compared place by place
-    (WORKED + ">15,64,37#174", "stop", 0.5 + 0.5 * 3 / 4),  # a missing key is wrong
-    (WORKED + ">15,64,37,82,11#174", "stop", 0.5 + 0.5 * 4 / 5),  # an extra key costs its place
-    (WORKED + ">#174", "stop", 0.5),
-    (WORKED + ">15,64,37,82#174", "length", 0.0),  # truncated: no credit
-    (WORKED + ">15,64,37,82#174;", "stop", 0.0),  # anything after the total: malformed
+    (WORKED + "#174>qxmf", "stop", 1.0),
+    (WORKED + "#174>qxmf</s>", "stop", 1.0),  # the EOS decoded with the text is stripped
+    ("#174>qxmf", "stop", 1.0),  # a right bare answer is a full score
+    (WORKED + "#175>qxmf", "stop", 0.6),  # keys right, total wrong
+    (WORKED + "#174>qxaf", "stop", 0.4 + 0.6 * 3 / 4),  # one key wrong
+    (WORKED + "#174>xqmf", "stop", 0.4 + 0.6 * 2 / 4),  # keys compared place by place
+    (WORKED + "#174>qxm", "stop", 0.4 + 0.6 * 3 / 4),  # a missing key is wrong
+    (WORKED + "#174>qxmfz", "stop", 0.4 + 0.6 * 4 / 5),  # an extra key costs its place
+    (WORKED + "#174>", "stop", 0.4),
+    (WORKED + "#174>qxmf", "length", 0.0),  # truncated: no credit
+    (WORKED + "#174>qxmf;", "stop", 0.0),  # anything after the keys: malformed
     (WORKED + "#174", "stop", 0.0),  # no keys mark
-    (WORKED + ">15,64>37,82#174", "stop", 0.0),  # two keys marks
+    (WORKED + "#174>qx>mf", "stop", 0.0),  # two keys marks
+    (WORKED + "#1#174>qxmf", "stop", 0.0),  # two answer marks
     ("", "stop", 0.0),
 ])
 def test_task_reward(response, finish_reason, expected):
@@ -127,10 +131,29 @@ def test_task_reward(response, finish_reason, expected):
 
 
 def test_score_parts_and_bad_labels():
-    assert score(WORKED + ">15,64,37,82#175", LABEL) == (0.0, 1.0)
-    assert score(" >15,64,37,1#174 ", LABEL) == (1.0, 0.75)
+    assert score(WORKED + "#175>qxmf", LABEL) == (0.0, 1.0)
+    assert score(" #174>qxma ", LABEL) == (1.0, 0.75)
     with pytest.raises(ValueError, match="long-recall label"):
-        task_reward(">1#2", "174")
+        task_reward("#1>2", "174")
+
+
+def test_warm_start_demos_count_from_their_own_minimum():
+    config = LongRecallConfig(warm_start_min_count=1)
+    train, test = generate_dataset(300, seed=0, config=config), generate_dataset(20, seed=1, config=config)
+    demos = warm_start_demos(train, test, config, 0.5, seed=4)
+    assert len(demos) == len(train)
+    assert not {d["prompt"] for d in demos} & {r["prompt"] for r in train + test}
+    counts = [parse_prompt(d["prompt"])[3] for d in demos]
+    assert min(counts) < 5 and max(counts) > 25  # the far copy shown at every distance
+    for d in demos:
+        assert task_reward(d["response"], d["label"]) == 1.0
+        if not d["response"].startswith("#"):
+            _rederive(d["prompt"], d["response"])
+    assert 0.4 < sum(d["response"].startswith("#") for d in demos) / len(demos) < 0.6
+    same = LongRecallConfig(warm_start_min_count=24)  # = min_count: the train problems themselves
+    assert [d["prompt"] for d in warm_start_demos(train, test, same, 0.5, seed=4)] == [r["prompt"] for r in train]
+    with pytest.raises(ValueError, match="min_count"):
+        LongRecallConfig(warm_start_min_count=0).validate()
 
 
 def test_assets_build_the_long_recall_task(tmp_path):

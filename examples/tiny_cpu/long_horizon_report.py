@@ -57,12 +57,14 @@ def last_step(run_dir: str) -> int:
     return max((r["step"] for r in read_metrics(run_dir) if "rollout/reward_mean" in r), default=0)
 
 
-def is_complete(run_dir: str) -> bool:
+def is_complete(run_dir: str, num_rollout: int) -> bool:
+    """Whether a run directory has finished `num_rollout` rollouts (a shorter finished run is extended)."""
     path = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(path):
         return False
     with open(path, encoding="utf-8") as fh:
-        return json.load(fh).get("status") == "complete"
+        summary = json.load(fh)
+    return summary.get("status") == "complete" and summary.get("last_rollout", 0) >= num_rollout
 
 
 def wilson(successes: float, n: int, z: float = 1.96) -> tuple[float, float]:

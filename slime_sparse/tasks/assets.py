@@ -38,11 +38,17 @@ from slime_sparse.tasks.warm_start import WarmStartConfig, warm_start
 ASSETS_FORMAT_VERSION = 2
 _WARM_CHECKPOINT = "warm_start.ckpt"  # in the .partial directory while the warm start runs
 
-# task config type -> (directory prefix, generator(n, seed, config, exclude_prompts), demonstration mixer(rows,
-# fraction, seed): the warm start's shortcut answers)
+
+def _repeated_add_demos(train: list[dict], test: list[dict], task: RepeatedAddConfig, fraction: float,
+                        seed: int) -> list[dict]:
+    return repeated_add.with_direct_answers(train, fraction, seed)
+
+
+# task config type -> (directory prefix, generator(n, seed, config, exclude_prompts), the warm start's
+# demonstrations(train, test, config, shortcut fraction, seed): the problems, part of them answered by a shortcut)
 TASKS = {
-    RepeatedAddConfig: ("repeated_add", repeated_add.generate_dataset, repeated_add.with_direct_answers),
-    LongRecallConfig: ("long_recall", long_recall.generate_dataset, long_recall.with_bare_answers),
+    RepeatedAddConfig: ("repeated_add", repeated_add.generate_dataset, _repeated_add_demos),
+    LongRecallConfig: ("long_recall", long_recall.generate_dataset, long_recall.warm_start_demos),
 }
 
 
@@ -150,7 +156,7 @@ def build_assets(
 
 def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | None, progress: bool) -> dict:
     paths = AssetPaths.under(root, cache_hit=False)
-    _, generate_dataset, with_shortcuts = TASKS[type(config.task)]
+    _, generate_dataset, demonstrations = TASKS[type(config.task)]
     train = generate_dataset(config.n_train, config.seed, config.task)
     test = generate_dataset(config.n_test, config.seed + 1, config.task, (r["prompt"] for r in train))
     write_jsonl(paths.train_path, train)
@@ -163,7 +169,7 @@ def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | N
 
     warm_metrics = None
     if config.warm_start is not None:
-        demos = with_shortcuts(train, config.direct_answer_frac, config.seed)
+        demos = demonstrations(train, test, config.task, config.direct_answer_frac, config.seed)
         metrics = warm_start(model, tokenizer, demos, config.warm_start, log=log, checkpoint=root / _WARM_CHECKPOINT,
                              progress=progress)
         warm_metrics = {k: v for k, v in asdict(metrics).items() if k not in ("losses", "resumed_from", "seconds")}
