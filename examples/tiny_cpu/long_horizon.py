@@ -3,6 +3,7 @@
     python examples/tiny_cpu/long_horizon.py cell --variant naive_sparse --budget quarter --seed 1   # one cell
     python examples/tiny_cpu/long_horizon.py grid --jobs 1         # every cell, one after another
     python examples/tiny_cpu/long_horizon.py report                # the table and the plot from what has run
+    python examples/tiny_cpu/long_horizon.py parts                 # + each cell's latest model's answers, by part
 
 The task (slime_sparse/tasks/long_recall.py): four keys in the prompt, a worked countdown of 318-396 tokens, then
 the keys again and the total; a bare answer restates the keys at once and guesses the total. The warm start
@@ -14,7 +15,9 @@ A cell is one (variant, budget, seed): an ordinary run directory `<out>/<budget>
 its command resumes from the last checkpoint; a finished cell does nothing), with the CPU and wall time of each
 invocation appended to `cell_time.jsonl`. `grid` runs the cells that are not complete, seed-major (a grid cut
 short has every variant on its first seeds), each in its own process with one torch thread; `report` reads
-every cell that has metrics (finished or not) and prints one table (`long_horizon_report.py`) and one PNG.
+every cell that has metrics (finished or not) and prints one table (`long_horizon_report.py`) and one PNG;
+`parts` first writes parts.json into each cell: its latest model's greedy answers, dense and under its budget's
+R-KV, split into worked or bare, total right and keys right (what the compressed cache changes at the end).
 The dense variant trains on dense rollouts, so its budget only sets its sparse evaluation.
 """
 from __future__ import annotations
@@ -87,6 +90,55 @@ def run_cell(variant: str, budget: str, seed: int, out: str, cache_dir: str, ext
     return rc
 
 
+def answer_parts(model_dir: str, test_path: str, kv_flags: list[str], n_prompts: int = 128) -> dict:
+    """Greedy answers of a model to the first held-out prompts (the evaluation's), under the embedded engine with
+    `kv_flags`, split in their parts: the fraction worked (not bare), of totals right, of keys right in the
+    worked answers and in the bare ones, of full scores."""
+    from slime_sparse.config_loader import load_config
+    from slime_sparse.eval import eval_sampling, load_eval_sets
+    from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
+    from slime_sparse.tasks.long_recall import ANSWER_MARK, score
+
+    cfg = load_config(["--hf-checkpoint", model_dir, "--prompt-data", test_path, "--eval-prompt-data", test_path,
+                       *RECIPE, *kv_flags, "--eval-max-prompts", str(n_prompts)])
+    tokenizer = load_tokenizer(model_dir)
+    records = load_eval_sets(cfg, tokenizer)[""]
+    outputs = build_engine(EngineSpec.from_run(cfg)).generate([r.prompt_ids for r in records], eval_sampling(cfg),
+                                                               seed=0)
+    texts = tokenizer.batch_decode([o.response_ids for o in outputs], skip_special_tokens=True)
+    parts = [(not t.startswith(ANSWER_MARK), *(score(t, r.label) if o.finish_reason == "stop" else (0.0, 0.0)))
+             for t, o, r in zip(texts, outputs, records)]
+    worked, bare = [p for p in parts if p[0]], [p for p in parts if not p[0]]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {"worked": len(worked) / len(parts), "total": mean([p[1] for p in parts]),
+            "keys_worked": mean([p[2] for p in worked]), "keys_bare": mean([p[2] for p in bare]),
+            "full": mean([float(p[1] == 1.0 and p[2] == 1.0) for p in parts]), "prompts": len(parts)}
+
+
+def write_parts(run_dirs: dict[tuple[str, str], list[str]], cache_dir: str) -> None:
+    """parts.json in every cell with a checkpoint: its latest model's answer parts, dense and under its budget's
+    R-KV; <out>/<budget>/warm_start_parts.json: the warm start's."""
+    from slime_sparse.utils.checkpoint import latest_checkpoint
+
+    assets = build_assets(cache_dir, ASSETS)
+    for (budget, _), dirs in run_dirs.items():
+        sparse = ["--kv-method", "rkv", "--kv-budget", str(BUDGETS[budget])]
+        targets = [(os.path.join(os.path.dirname(dirs[0]), "warm_start_parts.json"), str(assets.model_dir), 0)]
+        for d in dirs:
+            ckpt = latest_checkpoint(os.path.join(d, "checkpoints"))
+            if ckpt is not None:
+                with open(os.path.join(ckpt, "trainer_state.json"), encoding="utf-8") as fh:
+                    targets.append((os.path.join(d, "parts.json"), os.path.join(ckpt, "model"), json.load(fh)["step"]))
+        for path, model_dir, step in targets:
+            if os.path.isfile(path) and json.load(open(path, encoding="utf-8"))["rollout"] == step:
+                continue  # up to date
+            out = {"rollout": step, "dense": answer_parts(model_dir, str(assets.test_path), ["--kv-method", "none"]),
+                   "sparse": answer_parts(model_dir, str(assets.test_path), sparse)}
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(out, fh, indent=1)
+            print(f"{path}: rollout {step}", flush=True)
+
+
 def cells(variants: list[str], budgets: list[str], seeds: list[int]) -> list[tuple[str, str, int]]:
     """Seed-major order: a grid cut short has every (budget, variant) on its first seeds."""
     return [(v, b, s) for s in seeds for b in budgets for v in variants]
@@ -117,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = argv[argv.index("--") + 1:] if "--" in argv else []  # more trainer flags (they win)
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["cell", "grid", "report"])
+    parser.add_argument("command", choices=["cell", "grid", "parts", "report"])
     parser.add_argument("--variant", choices=VARIANTS, help="cell: the variant")
     parser.add_argument("--budget", choices=list(BUDGETS), help="cell: the R-KV budget")
     parser.add_argument("--seed", type=int, help="cell: the seed")
@@ -152,12 +204,18 @@ def main(argv: list[str] | None = None) -> int:
     if not dirs:
         print(f"no cell has metrics under {args.out}", file=sys.stderr)
         return 1
+    if args.command == "parts":
+        write_parts(dirs, args.cache_dir)
     runs = {k: [report.load_run(d) for d in ds] for k, ds in dirs.items()}
     print(report.study_table(runs, BUDGETS))
     print()
     print(report.events_table(runs))
     print()
     print(report.time_table(runs))
+    parts = report.parts_table(runs, args.out)
+    if parts:
+        print()
+        print(parts)
     plot = report.plot_study(runs, BUDGETS, args.plot or os.path.join(args.out, "long_horizon.png"))
     print(f"\nplot: {plot}")
     return 0

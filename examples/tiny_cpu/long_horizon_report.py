@@ -201,6 +201,35 @@ def time_table(runs: dict[tuple[str, str], list[Run]]) -> str:
     return "\n".join(lines)
 
 
+def parts_table(runs: dict[tuple[str, str], list[Run]], out: str) -> str:
+    """The answers of each cell's latest model by part (parts.json, `long_horizon.py parts`), mean over seeds:
+    worked fraction, totals right, keys right in worked answers, full scores; dense | R-KV inference."""
+    lines = ["| budget | variant | seeds | rollout | worked (dense / R-KV) | total right | keys right, worked answers "
+             "| full score |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    rows = {}
+    for (budget, variant), rs in runs.items():
+        paths = [os.path.join(r.path, "parts.json") for r in rs]
+        warm = os.path.join(out, budget, "warm_start_parts.json")
+        if os.path.isfile(warm):
+            rows.setdefault((budget, "warm start"), [warm])
+        rows[(budget, variant)] = [p for p in paths if os.path.isfile(p)]
+    for (budget, variant), paths in rows.items():
+        if not paths:
+            continue
+        parts = []
+        for p in paths:
+            with open(p, encoding="utf-8") as fh:
+                parts.append(json.load(fh))
+
+        def cell(key: str) -> str:
+            return " / ".join(f"{statistics.fmean(p[m][key] for p in parts):.3f}" for m in ("dense", "sparse"))
+
+        steps = sorted({p["rollout"] for p in parts})
+        lines.append(f"| {budget} | {variant} | {len(parts)} | {', '.join(map(str, steps))} | {cell('worked')} | "
+                     f"{cell('total')} | {cell('keys_worked')} | {cell('full')} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 PANELS = (("eval:dense", "greedy pass@1, dense inference"), ("eval:sparse", "greedy pass@1, R-KV inference"),
           ("rollout/reward_mean", "rollout reward (T=1)"), ("rollout/response_len_mean", "response length"),
           ("mismatch/k3", "mismatch k3 (pi_old || pi_sparse)"))
