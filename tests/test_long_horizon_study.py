@@ -142,7 +142,14 @@ def test_micro_cell_runs_resumes_and_reports(study, tmp_path, monkeypatch, capsy
     assert lh.main(cell) == 0  # complete: nothing to do, one more time record
     times = rep.load_run(run_dir).times
     assert [(t["from_rollout"], t["to_rollout"]) for t in times] == [(0, 2), (2, 2)]
-    assert lh.main(["report", "--variants", "sparse_rl", "--budgets", "quarter", *common]) == 0
+    assert lh.main(["parts", "--variants", "sparse_rl", "--budgets", "quarter", *common]) == 0
     out = capsys.readouterr().out
     assert "| quarter (B=12) | sparse_rl | 1 | 2 |" in out and "| quarter | sparse_rl | 0/1 | " in out
     assert os.path.isfile(tmp_path / "runs" / "long_horizon.png")
+    with open(os.path.join(run_dir, "parts.json"), encoding="utf-8") as fh:
+        parts = json.load(fh)
+    assert parts["rollout"] == 2 and parts["dense"]["prompts"] == parts["sparse"]["prompts"] == 8  # all 8 test prompts
+    for mode in ("dense", "sparse"):
+        assert 0.0 <= parts[mode]["worked"] <= 1.0 and 0.0 <= parts[mode]["full"] <= parts[mode]["total"] + 1e-9
+    assert os.path.isfile(tmp_path / "runs" / "quarter" / "warm_start_parts.json")
+    assert "| quarter | warm start | 1 | 0 |" in out and "| quarter | sparse_rl | 1 | 2 |" in out
