@@ -129,7 +129,7 @@ def test_micro_cell_runs_resumes_and_reports(study, tmp_path, monkeypatch, capsy
     monkeypatch.setattr(lh, "ASSETS", AssetsConfig(
         task=LongRecallConfig(min_count=2, max_count=3),
         model=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64),
-        warm_start=WarmStartConfig(steps=2, batch_size=4, log_every=1000), n_train=64, n_test=8))
+        warm_start=WarmStartConfig(steps=2, batch_size=4), n_train=64, n_test=8))
     monkeypatch.setattr(lh, "BUDGETS", {"quarter": 12, "half": 24})
     common = ["--out", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache")]
     flags = ["--", "--num-rollout", "2", "--eval-interval", "1", "--eval-max-prompts", "4", "--rollout-batch-size",

@@ -162,7 +162,7 @@ def test_assets_build_the_long_recall_task(tmp_path):
     task = LongRecallConfig(min_count=2, max_count=3)
     config = AssetsConfig(task=task, model=TinyModelConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2,
                                                            intermediate_size=64),
-                          warm_start=WarmStartConfig(steps=1, batch_size=2, log_every=1000), n_train=20, n_test=4)
+                          warm_start=WarmStartConfig(steps=1, batch_size=2), n_train=20, n_test=4)
     paths = build_assets(tmp_path, config, log=None)
     assert paths.root.name == f"long_recall-{config.key()}"
     train, test = load_rows(paths, "train"), load_rows(paths, "test")

@@ -98,8 +98,9 @@ def answer_parts(model_dir: str, test_path: str, kv_flags: list[str], n_prompts:
     worked answers and in the bare ones, of full scores."""
     from slime_sparse.config_loader import load_config
     from slime_sparse.eval import eval_sampling, load_eval_sets
-    from slime_sparse.factory import EngineSpec, build_engine, load_tokenizer
+    from slime_sparse.factory import EngineSpec, build_engine
     from slime_sparse.tasks.long_recall import ANSWER_MARK, score
+    from slime_sparse.utils.hf import load_tokenizer
 
     cfg = load_config(["--hf-checkpoint", model_dir, "--prompt-data", test_path, "--eval-prompt-data", test_path,
                        *RECIPE, *kv_flags, "--eval-max-prompts", str(n_prompts)])
