@@ -173,10 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["cell", "grid", "parts", "report"])
-    parser.add_argument("--variant", choices=VARIANTS, help="cell: the variant")
+    parser.add_argument("--variant", choices=list(run.VARIANTS), help="cell: the variant (any row of run.py's)")
     parser.add_argument("--budget", choices=list(BUDGETS), help="cell: the R-KV budget")
     parser.add_argument("--seed", type=int, help="cell: the seed")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=VARIANTS)
+    parser.add_argument("--variants", nargs="+", choices=list(run.VARIANTS), default=VARIANTS)
     parser.add_argument("--budgets", nargs="+", choices=list(BUDGETS), default=["quarter", "half"])
     parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS)
     parser.add_argument("--jobs", type=int, default=1, choices=[1, 2], help="grid: cells at once")
