@@ -42,6 +42,9 @@ VARIANTS: dict[str, list[str]] = {
     # Shadow Mask Distillation's answer to the same mismatch (#15): GRPO on the sampler's own masked policy
     "shadow": ["--kv-method", "rkv", "--correction-preset", "none", "--loss-type", "shadow"],
     "smd": ["--kv-method", "rkv", "--correction-preset", "none", "--loss-type", "smd", "--smd-kl-coef", "0.1"],
+    # one importance weight per sequence (verl's decoupled_seq_is: the product of xi, truncated at 2): it reweights
+    # the sequence's advantage too, where a token weight reweights only its own token (long_horizon.py, #38)
+    "sparse_rl_seq_is": ["--kv-method", "rkv", "--correction-preset", "decoupled_seq_is"],
 }
 PAPER_VARIANTS = ["dense", "naive_sparse", "sparse_rl", "sparse_rl_paper"]  # the study's default rows
 

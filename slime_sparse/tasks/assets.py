@@ -1,7 +1,7 @@
 """Build (or reuse) everything the default embedded run needs: data, tokenizer, tiny model, warm start.
 
-Assets live in `<cache_dir>/repeated_add-<hash>/`, where the hash covers every generation parameter,
-so a rerun with the same parameters is a cache hit and any change builds a fresh directory:
+Assets live in `<cache_dir>/<task>-<hash>/` (repeated_add or long_recall), where the hash covers every
+generation parameter, so a rerun with the same parameters is a cache hit and any change builds a fresh directory:
 
     tokenizer/         HF tokenizer directory (char level)
     init_model/        randomly initialised tiny Qwen2 (safetensors + tokenizer), the "no warm start" baseline
@@ -26,13 +26,9 @@ from typing import Callable
 
 import torch
 
-from slime_sparse.tasks.repeated_add import (
-    RepeatedAddConfig,
-    generate_dataset,
-    read_jsonl,
-    with_direct_answers,
-    write_jsonl,
-)
+from slime_sparse.tasks import long_recall, repeated_add
+from slime_sparse.tasks.long_recall import LongRecallConfig
+from slime_sparse.tasks.repeated_add import RepeatedAddConfig, read_jsonl, write_jsonl
 from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model, count_parameters
 from slime_sparse.tasks.tokenizer import DEFAULT_CHARSET, build_char_tokenizer, save_tokenizer
 from slime_sparse.tasks.warm_start import WarmStartConfig, warm_start
@@ -43,12 +39,25 @@ ASSETS_FORMAT_VERSION = 2
 _WARM_CHECKPOINT = "warm_start.ckpt"  # in the .partial directory while the warm start runs
 
 
+def _repeated_add_demos(train: list[dict], test: list[dict], task: RepeatedAddConfig, fraction: float,
+                        seed: int) -> list[dict]:
+    return repeated_add.with_direct_answers(train, fraction, seed)
+
+
+# task config type -> (directory prefix, generator(n, seed, config, exclude_prompts), the warm start's
+# demonstrations(train, test, config, shortcut fraction, seed): the problems, part of them answered by a shortcut)
+TASKS = {
+    RepeatedAddConfig: ("repeated_add", repeated_add.generate_dataset, _repeated_add_demos),
+    LongRecallConfig: ("long_recall", long_recall.generate_dataset, long_recall.warm_start_demos),
+}
+
+
 @dataclass(frozen=True)
 class AssetsConfig:
-    task: RepeatedAddConfig = field(default_factory=RepeatedAddConfig)
+    task: RepeatedAddConfig | LongRecallConfig = field(default_factory=RepeatedAddConfig)
     model: TinyModelConfig = field(default_factory=TinyModelConfig)
     warm_start: WarmStartConfig | None = field(default_factory=WarmStartConfig)  # None: no warm start
-    # warm-start demonstrations that give the bare answer: RL's choice to learn (repeated_add.with_direct_answers)
+    # warm-start demonstrations that give the bare answer: RL's choice to learn (the task's mixer, TASKS)
     direct_answer_frac: float = 0.55
     n_train: int = 3000  # the default ranges allow 3600 distinct problems
     n_test: int = 256
@@ -120,7 +129,7 @@ def build_assets(
     """
     config.validate()
     cache_dir = Path(cache_dir).expanduser()
-    final = cache_dir / f"repeated_add-{config.key()}"
+    final = cache_dir / f"{TASKS[type(config.task)][0]}-{config.key()}"
     if (final / "assets.json").is_file():
         if log is not None:
             log(f"assets: cache hit {final}")
@@ -147,10 +156,9 @@ def build_assets(
 
 def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | None, progress: bool) -> dict:
     paths = AssetPaths.under(root, cache_hit=False)
-    train = generate_dataset(config.n_train, seed=config.seed, config=config.task)
-    test = generate_dataset(
-        config.n_test, seed=config.seed + 1, config=config.task, exclude_prompts=(r["prompt"] for r in train)
-    )
+    _, generate_dataset, demonstrations = TASKS[type(config.task)]
+    train = generate_dataset(config.n_train, config.seed, config.task)
+    test = generate_dataset(config.n_test, config.seed + 1, config.task, (r["prompt"] for r in train))
     write_jsonl(paths.train_path, train)
     write_jsonl(paths.test_path, test)
 
@@ -161,7 +169,7 @@ def _build_into(root: Path, config: AssetsConfig, log: Callable[[str], None] | N
 
     warm_metrics = None
     if config.warm_start is not None:
-        demos = with_direct_answers(train, config.direct_answer_frac, seed=config.seed)
+        demos = demonstrations(train, test, config.task, config.direct_answer_frac, config.seed)
         metrics = warm_start(model, tokenizer, demos, config.warm_start, log=log, checkpoint=root / _WARM_CHECKPOINT,
                              progress=progress)
         warm_metrics = {k: v for k, v in asdict(metrics).items() if k not in ("losses", "resumed_from", "seconds")}
