@@ -32,6 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from slime_sparse.tasks.repeated_add import check_ranges, countdown
+
 ANSWER_MARK = "#"
 KEYS_MARK = ">"
 TOTAL_WEIGHT, KEYS_WEIGHT = 0.4, 0.6  # the reward's parts (module docstring)
@@ -65,14 +67,9 @@ class LongRecallConfig:
         if len(set(self.key_alphabet)) < self.num_keys or not re.fullmatch("[a-z]+", self.key_alphabet):
             raise ValueError(f"key_alphabet={self.key_alphabet!r} must hold at least num_keys={self.num_keys} "
                              "distinct lowercase letters")
-        for name, low, high, floor in (("start", self.min_start, self.max_start, 0),
-                                       ("step", self.min_step, self.max_step, 0),
-                                       ("count", self.min_count, self.max_count, 1),
-                                       ("count", self.warm_start_min_count, self.max_count, 1)):
-            if low < floor:
-                raise ValueError(f"min_{name}={low} must be >= {floor}")
-            if high < low:
-                raise ValueError(f"max_{name}={high} must be >= min_{name}={low}")
+        check_ranges((("start", self.min_start, self.max_start, 0), ("step", self.min_step, self.max_step, 0),
+                      ("count", self.min_count, self.max_count, 1),
+                      ("count", self.warm_start_min_count, self.max_count, 1)))
 
     @property
     def num_problems(self) -> int:
@@ -93,12 +90,8 @@ def make_label(keys: str, start: int, step: int, count: int) -> str:
 
 
 def make_response(keys: str, start: int, step: int, count: int) -> str:
-    """The worked answer: `left:total+step=new` for left = count..1, then `#total>keys`."""
-    steps, total = [], start
-    for left in range(count, 0, -1):
-        steps.append(f"{left}:{total}+{step}={total + step}")
-        total += step
-    return ";".join(steps) + ANSWER_MARK + make_label(keys, start, step, count)
+    """The worked answer: repeated_add's countdown, then `#total>keys`."""
+    return countdown(start, step, count) + ANSWER_MARK + make_label(keys, start, step, count)
 
 
 def bare_response(label: str) -> str:

@@ -50,15 +50,8 @@ class RepeatedAddConfig:
     max_count: int = 7
 
     def validate(self) -> None:
-        for name, low, high, floor in (
-            ("start", self.min_start, self.max_start, 0),
-            ("step", self.min_step, self.max_step, 0),
-            ("count", self.min_count, self.max_count, 1),
-        ):
-            if low < floor:
-                raise ValueError(f"min_{name}={low} must be >= {floor}")
-            if high < low:
-                raise ValueError(f"max_{name}={high} must be >= min_{name}={low}")
+        check_ranges((("start", self.min_start, self.max_start, 0), ("step", self.min_step, self.max_step, 0),
+                      ("count", self.min_count, self.max_count, 1)))
 
     @property
     def num_problems(self) -> int:
@@ -74,14 +67,24 @@ def make_prompt(start: int, step: int, count: int) -> str:
     return f"{start}+{step}*{count}="
 
 
+def check_ranges(ranges: Iterable[tuple[str, int, int, int]]) -> None:
+    """(name, min, max, floor) per inclusive range of a task config: min >= floor and max >= min."""
+    for name, low, high, floor in ranges:
+        if low < floor:
+            raise ValueError(f"min_{name}={low} must be >= {floor}")
+        if high < low:
+            raise ValueError(f"max_{name}={high} must be >= min_{name}={low}")
+
+
+def countdown(start: int, step: int, count: int) -> str:
+    """The worked steps: `left:total+step=new` for left = count..1, each restating the running total."""
+    return ";".join(f"{left}:{start + step * i}+{step}={start + step * (i + 1)}"
+                    for i, left in enumerate(range(count, 0, -1)))
+
+
 def make_response(start: int, step: int, count: int) -> str:
-    """The reference scratchpad: `left:total+step=new` for left = count..1 (a countdown), then `#answer`."""
-    steps = []
-    total = start
-    for left in range(count, 0, -1):
-        steps.append(f"{left}:{total}+{step}={total + step}")
-        total += step
-    return ";".join(steps) + f"{ANSWER_MARK}{total}"
+    """The reference scratchpad: the countdown, then `#answer`."""
+    return countdown(start, step, count) + f"{ANSWER_MARK}{start + step * count}"
 
 
 def parse_prompt(prompt: str) -> tuple[int, int, int]:
