@@ -22,8 +22,9 @@ import os
 import sys
 import time
 
+import yaml
+
 from slime_sparse.tasks.assets import AssetsConfig, build_assets
-from slime_sparse.tasks.warm_start import torch_threads
 from slime_sparse.train import main as train_main
 from slime_sparse.utils.logging import read_metrics
 from slime_sparse.utils.plots import SUMMARY_FILE, plot_metrics
@@ -110,6 +111,17 @@ def summarize(run_dir: str) -> tuple[list[Row], str]:
                  "rollouts otherwise)")
 
 
+def run_title(run_dir: str, variant: str) -> str:
+    """What the run trained, from its own config.yaml (flags after `--` included): the variant, the advantage
+    estimator, the loss, the correction and the rollouts' KV cache."""
+    with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    kv = cfg["kv"]
+    cache = "dense" if kv["method"] == "none" else f"{kv['method']} {kv['budget']} + {kv['buffer']}"
+    return (f"tiny run ({variant}): {cfg['rollout']['advantage_estimator']} advantages, {cfg['loss']['loss_type']} "
+            f"loss, correction {cfg['correction']['preset']}, rollouts under KV {cache}")
+
+
 def summary_table(run_dir: str) -> str:
     metrics, footnote = summarize(run_dir)
     lines = [f"{'metric':<42} {'start':>9} {'end':>9} {'change':>9}", "-" * 72]
@@ -129,14 +141,14 @@ def main(argv: list[str] | None = None, assets_config: AssetsConfig | None = Non
     parser.add_argument("--run-dir", default=None, help="default: runs/tiny_cpu_<variant>")
     parser.add_argument("--assets-only", action="store_true",
                         help="build (or find) the assets and stop (tools/fetch_gpu_wheels.sh prepares a GPU run so)")
-    parser.add_argument("--threads", type=int, default=1, help=(
-        "torch threads (default 1: a second thread buys a model this small little, and on one thread the run's "
-        "digits are the same whatever the machine's core count)"))
+    parser.add_argument("--threads", type=int, default=None, help=(
+        "torch threads of the training run, the trainer's --threads (default: the trainer's rule, one per 50M "
+        "parameters: 1 for this model, so the run's digits do not depend on the machine's core count; the warm "
+        "start always runs on one thread)"))
     args = parser.parse_args(argv)
-    if args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         parser.error(f"--threads={args.threads} must be >= 1")
-    with torch_threads(args.threads):  # restored after: a caller in the same process (the tests) keeps its own
-        return run(args, extra, assets_config or ASSETS)
+    return run(args, extra, assets_config or ASSETS)
 
 
 def run(args: argparse.Namespace, extra: list[str], assets_config: AssetsConfig) -> int:
@@ -153,9 +165,11 @@ def run(args: argparse.Namespace, extra: list[str], assets_config: AssetsConfig)
         return 0
 
     t1, c1 = time.perf_counter(), time.process_time()
+    threads = [] if args.threads is None else ["--threads", str(args.threads)]
     rc = train_main([
         "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
-        "--eval-prompt-data", str(assets.test_path), "--run-dir", run_dir, *RECIPE, *VARIANTS[args.variant], *extra,
+        "--eval-prompt-data", str(assets.test_path), "--run-dir", run_dir, *RECIPE, *VARIANTS[args.variant],
+        *threads, *extra,
     ])
     if rc:
         return rc
@@ -165,7 +179,7 @@ def run(args: argparse.Namespace, extra: list[str], assets_config: AssetsConfig)
             os.path.getmtime(summary_png) < os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")):
         plot_metrics(run_dir)
     # CPU time (all threads) next to wall time: on a shared machine the wall clock says little
-    print(f"\nSparse-RL tiny run ({args.variant}), {time.perf_counter() - t1:.0f}s of training "
+    print(f"\n{run_title(run_dir, args.variant)}: {time.perf_counter() - t1:.0f}s of training "
           f"({time.process_time() - c1:.0f}s CPU), {time.perf_counter() - t0:.0f}s in all\n")
     print(summary_table(run_dir))
     print(f"\nmetrics: {run_dir}/metrics.jsonl   plots: {os.path.dirname(summary_png)}")
