@@ -105,9 +105,10 @@ def setup_requirements(extras: tuple[str, ...] = ("test",)) -> list[str]:
     from .source import REPO_ROOT
 
     tree = ast.parse((REPO_ROOT / "setup.py").read_text(encoding="utf-8"))
-    values = {t.id: ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-              for t in node.targets if isinstance(t, ast.Name) and t.id in ("BASE", "EXTRAS")}
-    texts = values["BASE"] + [r for extra in extras for r in values["EXTRAS"][extra]]
+    nodes = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+             for t in node.targets if isinstance(t, ast.Name) and t.id in ("BASE", "EXTRAS")}
+    extra_nodes = {ast.literal_eval(k): v for k, v in zip(nodes["EXTRAS"].keys, nodes["EXTRAS"].values)}
+    texts = ast.literal_eval(nodes["BASE"]) + [r for e in extras for r in ast.literal_eval(extra_nodes[e])]
     return [normalize(Requirement(text).name) for text in texts]
 
 
@@ -156,6 +157,21 @@ def record(paths: list[Path] | None = None) -> tuple[dict[str, dict[str, str]], 
                            f"{sorted({a or b for a, b in missing}) or 'see below'}):\n{proc.stderr[-3000:]}")
     hidden = int(re.search(r"HIDDEN (\d+)", proc.stdout).group(1))
     return json.loads(line.removeprefix("RECORD ")), hidden
+
+
+def uncovered(modules: dict[str, dict[str, str]], deps: tuple[str, ...], stubs: tuple[str, ...],
+              allowed: set[str]) -> list[str]:
+    """What of a recorded import list a fresh venv + the stand-in would lack: a "deps" module whose distribution
+    is not in `deps` (CPU_IMPORT_DEPS pins), a "stub" not in `stubs`, an "env" one outside `allowed` (the project's
+    requirements and what they pull)."""
+    pinned = {normalize(d.split("==")[0]) for d in deps}
+    out = []
+    for module, info in sorted(modules.items()):
+        where, dist = info["from"], normalize(info.get("dist", "?"))
+        if (where == "deps" and dist not in pinned) or (where == "stub" and module not in stubs) or \
+                (where == "env" and dist not in allowed):
+            out.append(f"{module} ({where}: {info.get('dist', 'a stub')})")
+    return out
 
 
 def manifest_text(found: dict[str, dict[str, str]]) -> str:
