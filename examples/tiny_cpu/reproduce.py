@@ -210,7 +210,15 @@ def part_main(out: str, m: dict[str, str], jobs: int) -> list[str]:
     with ThreadPoolExecutor(max_workers=jobs) as pool:
         done = list(pool.map(lambda vs: main_job(out, variant=vs[0], seed=vs[1], cache_dir=cache), others))
     seeds = {1: first} | {s: r for (v, s), r in zip(others, done) if v == "sparse_rl"}
-    dense = parse_table(done[-1]["table"])
+    return write_main(seeds, done[-1], m)
+
+
+def write_main(seeds: dict[int, dict], dense: dict | None, m: dict[str, str],
+               command: str = "python examples/tiny_cpu/reproduce.py") -> list[str]:
+    """The main job's blocks in both READMEs from its runs (main_job's results by seed, seed 1 from fresh assets;
+    the dense variant's or None); REGIME's problems returned."""
+    first = seeds[1]
+    dense = parse_table(dense["table"]) if dense else None
     rows = {s: parse_table(r["table"]) for s, r in seeds.items()}
     cached = [r["cpu"] for s, r in seeds.items() if s != 1]  # the warm start already built
     problems = regime_problems(rows)
@@ -223,13 +231,15 @@ def part_main(out: str, m: dict[str, str], jobs: int) -> list[str]:
     write_block(TINY_README, "main-seeds", "\n".join([
         f"Seeds 1-3 (`-- --seed N`), start -> end (accuracies: first and last evaluation, 128 held-out prompts; the "
         f"rest: mean of the first and last quarter of the rollouts), on {where}:", "", seeds_table(rows), "",
-        f"Dense GRPO (`--variant dense`, seed 1): dense accuracy {dense[DENSE_ACC][0]:.3f} -> {dense[DENSE_ACC][1]:.3f}"
-        f", under R-KV {dense[SPARSE_ACC][0]:.3f} -> {dense[SPARSE_ACC][1]:.3f}. The regime's checks "
-        f"(`reproduce.py`): {'every seed meets all four' if not problems else '; '.join(problems)}."]))
+        (f"Dense GRPO (`--variant dense`, seed 1): dense accuracy {dense[DENSE_ACC][0]:.3f} -> "
+         f"{dense[DENSE_ACC][1]:.3f}, under R-KV {dense[SPARSE_ACC][0]:.3f} -> {dense[SPARSE_ACC][1]:.3f}. "
+         if dense else "")
+        + f"The regime's checks (`reproduce.py`): {'every seed meets all four' if not problems else '; '.join(problems)}."
+    ]))
     write_block(TINY_README, "main-time", (
         f"Time of the first run (assets built from nothing): **{first['cpu']:.0f} s CPU**, {first['wall']:.0f} s wall; "
         f"the warm start {first['assets_cpu']:.0f} s CPU of it. With the warm start cached (seeds 2 and 3): "
-        f"{min(cached):.0f}-{max(cached):.0f} s CPU. {stamp(m, 'python examples/tiny_cpu/reproduce.py')} On a loaded "
+        f"{min(cached):.0f}-{max(cached):.0f} s CPU. {stamp(m, command)} On a loaded "
         "machine the wall time grows and the CPU time less so."))
     write_block(MAIN_README, "headline", (
         f"over seeds 1-3, Sparse-RL raises greedy accuracy under dense inference from {span(DENSE_ACC, 0)} to "
@@ -249,8 +259,8 @@ def part_study(out: str, m: dict[str, str], num_rollout: int, jobs: int) -> None
     name = "study" if num_rollout == 20 else "study100"
     variants = run.PAPER_VARIANTS + (["sparse_rl_ds", "shadow", "smd"] if num_rollout == 20 else [])
     study_dir = os.path.join(out, f"study_{num_rollout}")
-    flags = [] if num_rollout == 20 else ["--", "--num-rollout", "100", "--eval-interval", "10",
-                                          "--save-interval", "10"]
+    flags = ["--", "--num-rollout", str(num_rollout), "--eval-interval", str(num_rollout // 4 if num_rollout == 20
+                                                                              else 10), "--save-interval", "10"]
     png = "study_20_rollouts.png" if num_rollout == 20 else "study.png"
     argv = [os.path.join(HERE, "compare.py"), "--jobs", str(jobs), "--threads", "1", "--out", study_dir,
             "--variants", *variants, "--plot", os.path.join(HERE, png), *flags]
