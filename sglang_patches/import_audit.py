@@ -59,9 +59,9 @@ def used_modules(source: Path) -> list[str]:
 
 _RECORD = r'''
 import importlib, importlib.metadata as md, json, os, re, sys
-source, stubs, deps, allowed = sys.argv[1:5]
-modules = sys.argv[5:]
-allowed = set(allowed.split(","))
+source, stubs, deps, allowed, unhidden = sys.argv[1:6]
+modules = sys.argv[6:]
+allowed, unhidden = set(allowed.split(",")), set(unhidden.split(","))
 norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
 dep_dists = {}  # top-level module -> distribution, for what CPU_IMPORT_DEPS installed
 for info in os.listdir(deps):
@@ -75,13 +75,18 @@ stubbed = set(os.listdir(stubs))
 by_module = md.packages_distributions()
 project = {"slime_sparse", "sglang_patches"}
 hidden = sorted(m for m, dists in by_module.items() if not any(norm(d) in allowed for d in dists)
-                and m not in sys.stdlib_module_names | project | set(dep_dists) | stubbed)
+                and m not in sys.stdlib_module_names | project | set(dep_dists) | stubbed | unhidden)
 for name in hidden:
     sys.modules[name] = None  # as in a fresh venv with the project and its test extra only
 from sglang_patches.source import activate_cpu_import_env
 activate_cpu_import_env([source, stubs, deps])
 for name in modules:
-    importlib.import_module(name)
+    try:
+        importlib.import_module(name)
+    except ImportError as exc:  # a module nothing provides: named, so that the caller can find the next one
+        missing = re.search(r"No module named '([^'.]+)|import of ([^.\s]+)", str(exc))
+        print("MISSING " + (missing.group(1) or missing.group(2) if missing else repr(exc)))
+        raise
 found = {}
 for name in sorted({n.split(".")[0] for n in sys.modules}):
     mod = sys.modules.get(name)
@@ -101,15 +106,14 @@ print("RECORD " + json.dumps(found, sort_keys=True))
 
 
 def setup_requirements(extras: tuple[str, ...] = ("test",)) -> list[str]:
-    """The distribution names setup.py requires (BASE) and its `extras` add, read from its source (nothing runs)."""
+    """The requirements setup.py declares (BASE) and its `extras` add, read from its source (nothing runs)."""
     from .source import REPO_ROOT
 
     tree = ast.parse((REPO_ROOT / "setup.py").read_text(encoding="utf-8"))
     nodes = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
              for t in node.targets if isinstance(t, ast.Name) and t.id in ("BASE", "EXTRAS")}
     extra_nodes = {ast.literal_eval(k): v for k, v in zip(nodes["EXTRAS"].keys, nodes["EXTRAS"].values)}
-    texts = ast.literal_eval(nodes["BASE"]) + [r for e in extras for r in ast.literal_eval(extra_nodes[e])]
-    return [normalize(Requirement(text).name) for text in texts]
+    return ast.literal_eval(nodes["BASE"]) + [r for e in extras for r in ast.literal_eval(extra_nodes[e])]
 
 
 def normalize(name: str) -> str:
@@ -117,24 +121,27 @@ def normalize(name: str) -> str:
 
 
 def with_dependencies(names: list[str] | set[str]) -> set[str]:
-    """`names` and, transitively, what their installed versions require (extras aside): what `pip install` of them
-    brings into a fresh venv."""
+    """`names` (requirement strings: extras count) and, transitively, what their installed versions require, with
+    the extras asked for (datasets needs `fsspec[http]`, hence aiohttp): what `pip install` of them brings into a
+    fresh venv."""
     from importlib import metadata
 
-    out, todo = set(), [normalize(n) for n in names]
+    out, seen, todo = set(), set(), [Requirement(n) for n in names]
     while todo:
-        name = todo.pop()
-        if name in out:
+        req = todo.pop()
+        name, extras = normalize(req.name), tuple(sorted(req.extras))
+        if (name, extras) in seen:
             continue
+        seen.add((name, extras))
         out.add(name)
         try:
             requires = metadata.requires(name) or []
         except metadata.PackageNotFoundError:
             continue
         for text in requires:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(normalize(req.name))
+            dep = Requirement(text)
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in ("", *extras)):
+                todo.append(dep)
     return out
 
 
@@ -147,14 +154,21 @@ def record(paths: list[Path] | None = None) -> tuple[dict[str, dict[str, str]], 
 
     source, stubs, deps = paths or prepare_cpu_import_env()
     allowed = ",".join(sorted(with_dependencies(setup_requirements())))
-    proc = subprocess.run([sys.executable, "-c", _RECORD, str(source), str(stubs), str(deps), allowed,
-                           *used_modules(Path(source))], cwd=REPO_ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RECORD ")), None)
-    if proc.returncode or line is None:
-        missing = re.findall(r"No module named '([^']+)'|import of (\S+) halted", proc.stderr)
-        raise RuntimeError(f"importing SGLang in the stand-in environment failed (missing: "
-                           f"{sorted({a or b for a, b in missing}) or 'see below'}):\n{proc.stderr[-3000:]}")
+    missing: list[str] = []
+    while True:  # each missing module is unhidden in turn, so that one call names all of them
+        proc = subprocess.run([sys.executable, "-c", _RECORD, str(source), str(stubs), str(deps), allowed,
+                               ",".join(missing), *used_modules(Path(source))], cwd=REPO_ROOT, capture_output=True,
+                              text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("RECORD ")), None)
+        gap = next((x.split()[1] for x in proc.stdout.splitlines() if x.startswith("MISSING ")), None)
+        if line is None and gap and gap not in missing and len(missing) < 40:
+            missing.append(gap)
+            continue
+        break
+    if missing or proc.returncode or line is None:
+        raise RuntimeError(f"SGLang imports modules that neither the stand-in (CPU_IMPORT_DEPS, stubs) nor the "
+                           f"project's requirements provide: {missing or 'see below'}; add their distributions to "
+                           f"sglang_patches/source.py CPU_IMPORT_DEPS\n{proc.stderr[-3000:] if line is None else ''}")
     hidden = int(re.search(r"HIDDEN (\d+)", proc.stdout).group(1))
     return json.loads(line.removeprefix("RECORD ")), hidden
 
