@@ -158,7 +158,7 @@ def record(paths: list[Path] | None = None) -> tuple[dict[str, dict[str, str]], 
     while True:  # each missing module is unhidden in turn, so that one call names all of them
         proc = subprocess.run([sys.executable, "-c", _RECORD, str(source), str(stubs), str(deps), allowed,
                                ",".join(missing), *used_modules(Path(source))], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                              text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
         line = next((x for x in proc.stdout.splitlines() if x.startswith("RECORD ")), None)
         gap = next((x.split()[1] for x in proc.stdout.splitlines() if x.startswith("MISSING ")), None)
         if line is None and gap and gap not in missing and len(missing) < 40:

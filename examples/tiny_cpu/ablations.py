@@ -9,7 +9,7 @@ Groups (each variant is the recipe, `run.py`, with a few flags changed):
              its rejection rate is the floor the others are read against (every mask or veto there is numeric).
   veto       `mis` with the sequence veto at 1e-5, 1e-4 (the paper's and mis's), 1e-3.
   budget     `mis` with the KV budget at 16 + buffer 8 (the main job before #45: a budget too small), and at 1/4, 1/2
-             and 1 x the mean response length (~48 tokens here; the recipe's 24 + 4 is 1/2), buffer 4.
+             and 1 x the mean response length (~48 tokens here; the recipe's 24 + 2 is 1/2), buffer 2.
   rejection  at 1/4 of the mean response length (the largest mismatch): token masking (`mis`), sequence rejection
              (verl's `decoupled_seq_is_rs`: sequence weights, reject outside [0.5, 2]), geometric rejection (verl's
              `decoupled_geo_rs`: geometric mean within 0.1 %), and no correction.
