@@ -27,6 +27,7 @@ from slime_sparse.kv.known_models import KNOWN_MODELS, known_config  # noqa: E40
 from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_learner, plan_rollout  # noqa: E402
 from slime_sparse.kv.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks,  # noqa: E402
                                          plan_step, train_activation_bytes)
+from slime_sparse.rollout.embedded.engine import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
 from slime_sparse.rollout.sampling import SamplingParams  # noqa: E402
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig  # noqa: E402
 
@@ -78,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     step = p.add_argument_group("the colocated step on one GPU (embedded engine and learner)")
     step.add_argument("--rollout-batch-size", type=int, default=RolloutConfig.rollout_batch_size)
     step.add_argument("--n-samples-per-prompt", type=int, default=RolloutConfig.n_samples_per_prompt)
-    step.add_argument("--rollout-max-batch-size", type=int, default=RolloutConfig.max_batch_size,
-                      help="sequences the engine decodes at once")
+    step.add_argument("--rollout-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                      help="sequences the engine decodes at once (the trainer's default without a memory size)")
     step.add_argument("--max-tokens-per-gpu", type=int, default=TrainConfig.max_tokens_per_gpu)
     step.add_argument("--train-backend", choices=("embedded", "megatron"), default=TrainConfig.train_backend)
     step.add_argument("--no-offload-rollout", action="store_true",
