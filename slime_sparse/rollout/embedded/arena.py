@@ -59,7 +59,7 @@ class StorageArena:
             return
         for t in self.tensors:
             t.untyped_storage().resize_(t.numel() * t.element_size())
-            t.zero_()
+        _zero(self.tensors)
         self.released = False
 
 
@@ -70,7 +70,8 @@ class FixedAddressArena:
 
     def __init__(self, device: torch.device, driver=None) -> None:
         self.device = device
-        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.index = device.index if device.index is not None else \
+            (torch.cuda.current_device() if device.type == "cuda" else 0)
         self.driver = driver or cuda_driver()
         self.blocks: list[FixedAddressBlock] = []
         self.tensors: list[Tensor] = []
@@ -117,12 +118,18 @@ class FixedAddressArena:
                 f"the rollout engine could not take back its KV cache ({self.nbytes / 2**30:.2f} GiB; "
                 f"{free / 2**30:.2f} GiB free on the device): what the learner holds between steps leaves too little. "
                 "Lower --rollout-kv-cache-gib or --rollout-mem-fraction") from exc
-        for t in self.tensors:
-            t.zero_()
+        _zero(self.tensors)
         self.released = False
 
 
-def new_arena(device: torch.device, fixed_addresses: bool) -> StorageArena | FixedAddressArena:
-    """The arena of a runner: fixed addresses when its memory is given back between rollouts while CUDA graphs hold
-    the cache's addresses (`--offload-rollout` with graphs on); torch's allocator otherwise."""
-    return FixedAddressArena(device) if fixed_addresses else StorageArena(device)
+@torch.inference_mode()
+def _zero(tensors: list[Tensor]) -> None:
+    """New memory holds anything: zeros, as the cache was built (its tensors were made under inference mode)."""
+    for t in tensors:
+        t.zero_()
+
+
+def new_arena(device: torch.device, releasable: bool, mode: str) -> StorageArena | FixedAddressArena:
+    """The arena of a runner whose steps run in `mode`: fixed addresses when its memory is given back between rollouts
+    (`releasable`, --offload-rollout) while CUDA graphs hold the cache's addresses; torch's allocator otherwise."""
+    return FixedAddressArena(device) if releasable and mode == "cuda_graph" else StorageArena(device)

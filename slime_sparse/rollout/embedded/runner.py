@@ -61,7 +61,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = shape.kv
         self.shape, self.device, self.logits = shape, device, logits
-        self.arena = new_arena(device, releasable and shape.mode == "cuda_graph")
+        self.arena = new_arena(device, releasable, shape.mode)
         self.cache = BudgetKVCache(
             num_rows=shape.rows, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
             num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
