@@ -118,8 +118,21 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
     for mode, r in rows.items():
         assert all(float(r[p]) >= 0 for p in phases)
         assert min(float(r["rollout s"]), float(r["recompute s"]), float(r["learner step s"])) > 0
-    # the same KV memory: 8 rows of R-KV 16 + 8 slots (+ a query ring) hold 2 dense rows of 16 + 64 slots
-    assert (int(rows["dense"]["rows at once"]), int(rows["sparse"]["rows at once"])) == (2, 8)
+    # the same memory, as the trainer's --rollout-kv-cache-gib alone: each mode's rows are its engine's admission
+    # (8 rows of R-KV 16 + 8 slots and a query ring hold 2 dense rows of 16 + 64 slots today)
+    from transformers import AutoModelForCausalLM
+
+    from slime_sparse.rollout.embedded import EmbeddedEngine
+
+    tiny = AutoModelForCausalLM.from_pretrained(next((tmp_path / "model").iterdir()))
+    args, admitted = bench.parse_args(["--shape", "tiny"]), {}
+    for mode in ("dense", "sparse"):
+        kv = bench.kv_config(args, mode)
+        admitted[mode] = min(8, EmbeddedEngine(tiny, kv, kv_cache_gib=args.kv_gib).rows_for(kv, 16 + 64))
+    assert {mode: int(r["rows at once"]) for mode, r in rows.items()} == admitted
+    assert admitted["sparse"] >= 3 * admitted["dense"] >= 3
+    # the engine stays warm across steps: one runner, built by the first step; nothing built or captured after it
+    assert all(r["runner builds"] == "0" and r["captures"] == "0" for r in rows.values())
     memory = [dict(zip(cells(bench.MEMORY_HEADER.splitlines()[0]), cells(line))) for line in tables["memory"]]
     assert [(m["mode"], m["phase"]) for m in memory] == [(mode, p) for mode in ("dense", "sparse")
                                                           for p in bench.PLANNED]
@@ -128,6 +141,7 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["step"]) for r in records] == [("dense", 0), ("dense", 1), ("sparse", 0), ("sparse", 1)]
     assert all(r["gen_tokens"] == 8 * 64 for r in records)  # every answer ran to the response length
+    assert [r["runner_builds"] for r in records] == [1, 0, 1, 0] and all(r["captures"] == 0 for r in records)
     for r in records:  # each step, warm-up included: the timed phases are the step, the rest is bookkeeping
         seconds = r["seconds"]
         assert sum(seconds[p] for p in (*bench.PHASES, "other")) == pytest.approx(seconds["step"], rel=1e-9)

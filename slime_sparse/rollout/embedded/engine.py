@@ -177,8 +177,7 @@ class EmbeddedEngine:
         return KVView(self, kv)
 
     def release_memory(self) -> None:
-        """Give back the KV cache (slime's colocated offload: the learner trains in that memory). A memory_saver engine
-        keeps its runner, graphs included (arena.py); otherwise the next generate() builds and captures it again."""
+        """Give back the KV cache (the learner trains in it); a memory_saver engine keeps its runner and graphs."""
         if self._runner is not None and self.memory_saver and self._runner.can_release:
             self._runner.release()
         else:
@@ -231,7 +230,8 @@ class EmbeddedEngine:
             self.runner_builds += 1
         runner = self._runner
         runner.resume()  # a no-op unless the memory was given back
-        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
+        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows,
+                                                slots=runner.cache.capacity)
         captures = runner.captures
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
