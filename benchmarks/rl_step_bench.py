@@ -54,6 +54,7 @@ from slime_sparse.train import run_rollout, train_rollout  # noqa: E402
 from slime_sparse.utils.seed import set_seed  # noqa: E402
 
 from benchmarks.phase_clock import CLOCKS, PhaseClock, timed_components  # noqa: E402
+from benchmarks.rollout_runs import machine  # noqa: E402
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True,
@@ -335,8 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = ModelShape.from_hf_config(SHAPES[args.shape])
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {args.threads} thread(s)"
-    device += f", {args.clock} clock"
+    device = f"{machine(args.device, args.threads)}, {args.clock} clock"  # the stamp of every table below
     print(f"# {args.shape} shape ({shape.num_parameters() / 1e9:.2f}B), {args.dtype}, {device}; "
           f"{args.prompts} prompts x {args.n_samples} samples x ({args.prompt_len} + {args.response_len}) tokens; "
           f"{args.train_backend} learner, micro-batches of {args.max_tokens_per_gpu} tokens, recompute "
@@ -352,18 +352,20 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
             for results, _ in runs.values():
                 for r in results:
                     f.write(json.dumps({**dataclasses.asdict(r), "shape": args.shape, "dtype": args.dtype,
-                                        "device": device}) + "\n")
+                                        "device": device, "prompts": args.prompts, "n_samples": args.n_samples,
+                                        "prompt_len": args.prompt_len, "response_len": args.response_len,
+                                        "kv_gib": args.kv_gib, "torch": torch.__version__}) + "\n")
     tables = {"time": [time_row(mode, results, shape, args) for mode, (results, _) in runs.items()],
               "memory": [row for mode, (results, plan) in runs.items() for row in memory_rows(mode, results, plan)]}
-    print("\n" + TIME_HEADER + "\n" + "\n".join(tables["time"]))
-    print("\n" + MEMORY_HEADER + "\n" + "\n".join(tables["memory"]))
+    print(f"\n# {device}\n" + TIME_HEADER + "\n" + "\n".join(tables["time"]))
+    print(f"\n# {device}\n" + MEMORY_HEADER + "\n" + "\n".join(tables["memory"]))
     if {"dense", "sparse"} <= set(runs):
         ratio = []
         for key, label in (("step", "whole step"), ("rollout", "rollout phase")):
             dense, sparse = (median_seconds(runs[m][0], key) for m in ("dense", "sparse"))
             ratio.append(f"| {label} | {dense:.3f} | {sparse:.3f} | {dense / sparse:.2f} |")
         tables["ratio"] = ratio
-        print("\n" + RATIO_HEADER + "\n" + "\n".join(ratio))
+        print(f"\n# {device}\n" + RATIO_HEADER + "\n" + "\n".join(ratio))
     return tables
 
 
