@@ -121,7 +121,8 @@ def test_a_memory_size_alone_admits_what_fits():
     gib = 100 * per_row / 2**30
     assert EmbeddedEngine(m, RKV).max_batch_size == DEFAULT_MAX_BATCH_SIZE  # no memory size: the old default
     alone = EmbeddedEngine(m, RKV, kv_cache_gib=gib)
-    assert alone.max_batch_size is None and alone.rows_for(RKV, longest) == 100  # not capped at 64
+    fit = EmbeddedEngine(m, RKV, kv_cache_gib=gib, max_batch_size=10**6).rows_for(RKV, longest)  # what fits, uncapped
+    assert alone.max_batch_size is None and alone.rows_for(RKV, longest) == fit > DEFAULT_MAX_BATCH_SIZE
     assert EmbeddedEngine(m, RKV, kv_cache_gib=gib, max_batch_size=40).rows_for(RKV, longest) == 40
 
 
@@ -132,8 +133,8 @@ def test_mem_fraction_sizes_the_memory_from_what_is_free(monkeypatch):
     monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: 200 * per_row)
     engine = EmbeddedEngine(m, RKV, mem_fraction=0.25)
     assert engine.kv_cache_gib == pytest.approx(50 * per_row / 2**30)
-    assert engine.rows_for(RKV, longest) == 50 == EmbeddedEngine(m, RKV, kv_cache_gib=engine.kv_cache_gib).rows_for(
-        RKV, longest)
+    assert engine.rows_for(RKV, longest) == EmbeddedEngine(m, RKV, kv_cache_gib=engine.kv_cache_gib).rows_for(
+        RKV, longest) > 6
     out = engine.generate(prompts(6), PARAMS, seed=4)
     assert tokens(out) == tokens(EmbeddedEngine(m, RKV, max_batch_size=6).generate(prompts(6), PARAMS, seed=4))
 
@@ -173,9 +174,9 @@ def _base_args(tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("flags,rows", [
     ([], DEFAULT_MAX_BATCH_SIZE),  # no memory size: 64, as before
-    (["--rollout-kv-cache-gib", "G"], 100),  # the memory alone: what fits (before: min(fit, 64) = 64)
+    (["--rollout-kv-cache-gib", "G"], "fit"),  # the memory alone: what fits (before: min(fit, 64) = 64)
     (["--rollout-kv-cache-gib", "G", "--rollout-max-batch-size", "32"], 32),  # an explicit cap still caps
-    (["--rollout-mem-fraction", "F"], 100),
+    (["--rollout-mem-fraction", "F"], "fit"),  # a quarter of 400 rows' worth free: the same memory
 ])
 def test_the_trainers_engine_admits_by_flag(tmp_path, monkeypatch, flags, rows):
     """The flags as the trainer passes them (config -> EngineSpec -> engine): the rows one generate() call of 200
@@ -188,6 +189,9 @@ def test_the_trainers_engine_admits_by_flag(tmp_path, monkeypatch, flags, rows):
     cfg = load_config(_base_args(tmp_path) + [values.get(f, f) for f in flags] + [
         "--kv-method", "rkv", "--kv-budget", "12", "--kv-buffer", "4", "--kv-window", "3", "--kv-kernel-size", "3"])
     engine = build_engine(EngineSpec.from_run(cfg))
+    if rows == "fit":  # what 100 rows' bytes hold by the engine's own admission, uncapped: more than 64
+        rows = EmbeddedEngine(m, cfg.kv, kv_cache_gib=float(values["G"]), max_batch_size=10**6).rows_for(cfg.kv, longest)
+        assert rows > DEFAULT_MAX_BATCH_SIZE
     assert engine.rows_for(cfg.kv, longest) == rows
     assert engine.memory_saver == cfg.offloads_rollout  # in one process: on by default
 
