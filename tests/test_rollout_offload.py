@@ -284,3 +284,14 @@ def test_a_failed_resume_names_the_flags_and_maps_nothing(fake_vmm):
     with pytest.raises(RuntimeError, match="--rollout-kv-cache-gib or --rollout-mem-fraction"):
         engine.resume_memory()
     assert fake_vmm.physical_bytes == 0 and engine._runner.released
+
+
+def test_without_cuda_virtual_memory_the_runner_falls_back_to_torch_storages(caplog):
+    """Where the driver's calls cannot be had (here: no libcuda), a graph runner's arena is torch's allocator, with a
+    warning; the engine then drops such a runner on release (its graphs would point at freed memory)."""
+    from slime_sparse.rollout.embedded.arena import new_arena
+
+    with caplog.at_level("WARNING"):
+        arena = new_arena(torch.device("cpu"), True, "cuda_graph")
+    assert isinstance(arena, StorageArena) and not arena.keeps_addresses
+    assert "capture the decode graphs again" in caplog.text

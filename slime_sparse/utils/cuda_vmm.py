@@ -58,6 +58,7 @@ class CudaDriver:
     where torch made its context current."""
 
     def __init__(self) -> None:
+        torch.cuda.init()  # torch's context, current on this thread: the driver calls below run in it
         self.lib = ctypes.CDLL("libcuda.so.1")
         self._check("cuInit", self.lib.cuInit(0))
 

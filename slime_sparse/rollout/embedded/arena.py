@@ -17,10 +17,14 @@ bounded by their own accounting), and the fills. What goes back: the KV cache, a
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import Tensor
 
 from slime_sparse.utils.cuda_vmm import FixedAddressBlock, cuda_driver
+
+logger = logging.getLogger(__name__)
 
 
 class StorageArena:
@@ -131,5 +135,15 @@ def _zero(tensors: list[Tensor]) -> None:
 
 def new_arena(device: torch.device, releasable: bool, mode: str) -> StorageArena | FixedAddressArena:
     """The arena of a runner whose steps run in `mode`: fixed addresses when its memory is given back between rollouts
-    (`releasable`, --offload-rollout) while CUDA graphs hold the cache's addresses; torch's allocator otherwise."""
-    return FixedAddressArena(device) if releasable and mode == "cuda_graph" else StorageArena(device)
+    (`releasable`, --offload-rollout) while CUDA graphs hold the cache's addresses; torch's allocator otherwise, also
+    where CUDA's virtual memory calls are not to be had (then a release drops the runner, graphs and all)."""
+    if not (releasable and mode == "cuda_graph"):
+        return StorageArena(device)
+    try:
+        driver = cuda_driver()
+        driver.granularity(device.index if device.index is not None else torch.cuda.current_device())
+    except Exception as exc:  # no libcuda, a driver without the calls, a CPU build of torch: a probe, nothing more
+        logger.warning("CUDA virtual memory is unavailable (%s): --offload-rollout will capture the decode graphs "
+                       "again after each release", exc)
+        return StorageArena(device)
+    return FixedAddressArena(device, driver)
