@@ -85,7 +85,8 @@ def dense_tok_s(batch: int, new: int, bound: float):
     def check(records: list[dict], _rl: list[dict]) -> tuple[str, str]:
         r = _batch(records, batch, new, "dense")
         if r is None:
-            return "not measured", _nearest(records, "batch", _describe_batch, lambda x: x.get("KV") == "dense")
+            return "not measured", _nearest(records, "batch", _describe_batch,
+                                            lambda x: x.get("KV") == "dense" and x.get("engine") == "after")
         tps = _num(r["tok/s"])
         return _judge(tps, bound, True, f"{tps:,.0f} tok/s", [r])
     return check
@@ -95,7 +96,8 @@ def compaction_share(records: list[dict], _rl: list[dict]) -> tuple[str, str]:
     r = _batch(records, 256, 4096, RKV)
     if r is None or _num(r.get("compress %")) is None:
         return "not measured", _nearest(records, "batch", lambda x: f"{_describe_batch(x)}, compress "
-                                        f"{x.get('compress %')} %", lambda x: x.get("KV", "").startswith("rkv"))
+                                        f"{x.get('compress %')} %",
+                                        lambda x: x.get("KV", "").startswith("rkv") and x.get("engine") == "after")
     share = _num(r["compress %"])
     return _judge(share, 2.0, False, f"{share:.1f} % of the call", [r])
 
@@ -116,8 +118,8 @@ def same_memory(workload: str, bound: float):
         rkv = next((r for r in at if r["kv"] == RKV_FULL), None)
         if dense is None or rkv is None:
             return "not measured", _nearest(records, "same_memory", lambda r: (
-                f"{r['model']} +{r['new']} in {r['memory_gib']} GiB, {r['workload']} {r['kv']}: x dense "
-                f"{r['x_dense']:.2f}"))
+                f"{r['model']} +{r['new']} in {r['memory_gib']} GiB, {r['kv']}: x dense {r['x_dense']:.2f}"),
+                lambda r: r.get("workload") == workload and r.get("kv") != "dense")
         ratio = rkv["tok_s"] / dense["tok_s"]
         figure = (f"{ratio:.2f}x ({rkv['tok_s']:,.0f} / {dense['tok_s']:,.0f} tok/s, {rkv['rows']} / {dense['rows']} "
                   f"rows)")
@@ -128,7 +130,7 @@ def same_memory(workload: str, bound: float):
 def same_batch(records: list[dict], _rl: list[dict]) -> tuple[str, str]:
     dense, rkv = _batch(records, 256, 4096, "dense"), _batch(records, 256, 4096, RKV)
     if dense is None or rkv is None:
-        return "not measured", _nearest(records, "batch", _describe_batch)
+        return "not measured", _nearest(records, "batch", _describe_batch, lambda x: x.get("engine") == "after")
     ratio = _num(rkv["tok/s"]) / _num(dense["tok/s"])
     return _judge(ratio, 1.3, True, f"{ratio:.2f}x ({rkv['tok/s']} / {dense['tok/s']} tok/s)", [dense, rkv])
 
