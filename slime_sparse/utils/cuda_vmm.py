@@ -13,6 +13,7 @@ The driver is a parameter so that tests can stand in a fake one on a machine wit
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 
 import torch
@@ -200,7 +201,7 @@ class FixedAddressBlock:
         return self.driver.as_tensor(self).view(dtype).view(shape)
 
     def __del__(self) -> None:  # the last tensor over the block is gone (it holds the block): free the addresses
-        if not getattr(self, "ptr", 0):
+        if not getattr(self, "ptr", 0) or sys.is_finalizing():  # at exit the process gives everything back itself
             return
         try:
             self.unmap()
