@@ -109,7 +109,7 @@ OUTPUT_HELP = "where the JSON report is written (its directory is created)"
 # other training flag is accepted (a training command line evaluates as it is) and left out of --help.
 EVAL_SECTIONS = ("sampling", "kv", "data", "reward", "eval", "sglang")
 EVAL_FIELDS = {"train": ("hf_checkpoint", "device", "threads", "bf16", "enable_fp32_lm_head", "seed"),
-               "rollout": ("engine", "max_batch_size", "cuda_graph")}
+               "rollout": ("engine", "max_batch_size", "kv_cache_gib", "mem_fraction", "cuda_graph")}
 
 
 def build_eval_parser() -> argparse.ArgumentParser:

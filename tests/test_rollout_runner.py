@@ -71,8 +71,8 @@ def test_compression_turns_kv_memory_into_concurrency():
 
 def test_bad_memory_settings_name_the_flag():
     m = model()
-    with pytest.raises(ValueError, match="--rollout-kv-cache-gib"):
-        EmbeddedEngine(m, max_batch_size=None)
+    with pytest.raises(ValueError, match="--rollout-kv-cache-gib and --rollout-mem-fraction"):
+        EmbeddedEngine(m, kv_cache_gib=1, mem_fraction=0.5)
     with pytest.raises(ValueError, match="--rollout-kv-cache-gib"):
         EmbeddedEngine(m, kv_cache_gib=0)
     with pytest.raises(ValueError, match="holds no row"):

@@ -34,6 +34,7 @@ from slime_sparse.kv.learner_layouts import (RECOMPUTE, describe_misfit, layouts
 from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_learner, plan_rollout  # noqa: E402
 from slime_sparse.kv.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks,  # noqa: E402
                                          plan_step, train_activation_bytes)
+from slime_sparse.rollout.embedded.engine import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
 from slime_sparse.rollout.sampling import SamplingParams  # noqa: E402
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig  # noqa: E402
 
@@ -100,8 +101,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="prompts per rollout")
     step.add_argument("--n-samples-per-prompt", type=int, default=RolloutConfig.n_samples_per_prompt,
                       help="samples per prompt")
-    step.add_argument("--rollout-max-batch-size", type=int, default=RolloutConfig.max_batch_size,
-                      help="sequences the engine decodes at once")
+    step.add_argument("--rollout-max-batch-size", type=int, default=DEFAULT_MAX_BATCH_SIZE,
+                      help="sequences the engine decodes at once (the trainer's default without a memory size)")
     step.add_argument("--max-tokens-per-gpu", type=int, default=TrainConfig.max_tokens_per_gpu,
                       help="tokens of a learner micro-batch (padded)")
     step.add_argument("--train-backend", choices=("embedded", "megatron"), default=TrainConfig.train_backend,

@@ -24,6 +24,7 @@ in `attention.py` reads its mask from here (`attention_mask`) and records querie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -44,17 +45,19 @@ class DecodeView:
 class BudgetKVCache(Cache):
     def __init__(self, *, num_rows: int, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int,
                  capacity: int, window: int, record_queries: bool, track_mass: bool, device: torch.device,
-                 dtype: torch.dtype, shared_fill: bool = True) -> None:
+                 dtype: torch.dtype, shared_fill: bool = True, zeros: Callable[..., Tensor] | None = None) -> None:
         super().__init__(layers=[])  # we keep our own tensors; transformers' per-layer objects are unused
         self.num_layers, self.num_kv_heads, self.capacity, self.window = num_layers, num_kv_heads, capacity, window
         self.device = device
+        # zeros(shape, dtype): where the large tensors come from (the runner's arena, which can give them back)
+        zeros = zeros or (lambda shape, dt: torch.zeros(shape, device=device, dtype=dt))
         rows_slots = (num_layers, num_rows, num_kv_heads, capacity)
-        self.key = torch.zeros(*rows_slots, head_dim, device=device, dtype=dtype)
-        self.value = torch.zeros_like(self.key)
-        self.positions = torch.zeros(rows_slots, device=device, dtype=torch.int32)
-        self.queries = (torch.zeros(num_layers, num_rows, num_q_heads, window, head_dim, device=device, dtype=dtype)
+        self.key = zeros((*rows_slots, head_dim), dtype)
+        self.value = zeros((*rows_slots, head_dim), dtype)
+        self.positions = zeros(rows_slots, torch.int32)
+        self.queries = (zeros((num_layers, num_rows, num_q_heads, window, head_dim), dtype)
                         if record_queries else None)
-        self.mass = torch.zeros(rows_slots, device=device, dtype=torch.float32) if track_mass else None
+        self.mass = zeros(rows_slots, torch.float32) if track_mass else None
         self.fill = torch.zeros(num_layers, num_rows, dtype=torch.int64, device=device)
         self.seen = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self._arange_rows = torch.arange(num_rows, device=device)

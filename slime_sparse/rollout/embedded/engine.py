@@ -9,8 +9,10 @@ never waits for the device; compaction (compressor.py) runs between steps, for e
 KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
 too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
 above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
-KV memory: given `kv_cache_gib`, the engine decodes as many sequences at once as rows of the method's size fit in it
-(a compressed row holds budget + buffer slots, a dense one the whole sequence), so compression becomes concurrency.
+KV memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), the engine decodes as many sequences at once as
+rows of the method's size fit in it (a compressed row holds budget + buffer slots, a dense one the whole sequence), so
+compression becomes concurrency. Between rollouts a `memory_saver` engine gives that memory back and takes it again
+without capturing its CUDA graphs again (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
 Random streams: sample i of a call seeded `seed` draws its t-th token from counter_uniform(derive_seed(seed, i), t),
 so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
@@ -28,6 +30,7 @@ from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigg
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput, KVStats
+from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
@@ -40,6 +43,7 @@ from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
 
 LONG_PROMPT_POLICIES = ("error", "skip")
+DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
 
@@ -64,7 +68,10 @@ class EmbeddedEngine:
       ever runs past its end).
     fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
     kv_cache_gib: KV memory for the cache (--rollout-kv-cache-gib): the engine decodes as many sequences at once as
-      rows of the KV config's size fit in it (at most max_batch_size, if given). None: max_batch_size rows.
+      rows of the KV config's size fit in it (at most max_batch_size, if given). mem_fraction: instead, that fraction of
+      the device's free memory once the weights are loaded (--rollout-mem-fraction; `utils.device.free_memory_bytes`).
+    max_batch_size: None: no cap with a memory size (what fits), else DEFAULT_MAX_BATCH_SIZE.
+    memory_saver: `release_memory` gives the cache back but keeps the runner and its graphs (--offload-rollout).
     """
 
     def __init__(
@@ -72,7 +79,7 @@ class EmbeddedEngine:
         model_or_path: nn.Module | str | os.PathLike,
         kv: KVCompressConfig | None = None,
         *,
-        max_batch_size: int | None = 64,
+        max_batch_size: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         max_prompt_len: int | None = None,
@@ -82,14 +89,13 @@ class EmbeddedEngine:
         readback_interval: int | None = None,
         fp32_lm_head: bool = False,
         kv_cache_gib: float | None = None,
+        mem_fraction: float | None = None,
+        memory_saver: bool = False,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
-        if max_batch_size is None and kv_cache_gib is None:
-            raise ValueError("max_batch_size=None needs kv_cache_gib (--rollout-kv-cache-gib): rows are then what fits")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (--rollout-max-batch-size)")
-        if kv_cache_gib is not None and not kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (--rollout-kv-cache-gib)")
+        check_memory_size(kv_cache_gib, mem_fraction)
         if max_prompt_len is not None and max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 or None (--rollout-max-prompt-len)")
         if on_long_prompt not in LONG_PROMPT_POLICIES:
@@ -109,8 +115,13 @@ class EmbeddedEngine:
         check_model(self.model)
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.fp32_lm_head = fp32_lm_head
-        self.max_batch_size = max_batch_size
+        if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
+            kv_cache_gib = mem_fraction * free_memory_bytes(self.device) / 2**30
         self.kv_cache_gib = kv_cache_gib
+        self.max_batch_size = max_batch_size if max_batch_size is not None or kv_cache_gib is not None \
+            else DEFAULT_MAX_BATCH_SIZE
+        self.memory_saver = memory_saver
+        self.runner_builds = 0  # runners built so far (each allocates a cache; with graphs, captures them anew)
         self.max_prompt_len = max_prompt_len
         self.on_long_prompt = on_long_prompt
         self.kv_trace = kv_trace
@@ -166,14 +177,18 @@ class EmbeddedEngine:
         return KVView(self, kv)
 
     def release_memory(self) -> None:
-        """Give back the KV cache, the decode state and the CUDA graphs (slime's colocated offload: the learner trains
-        in that memory); the next generate() builds them again."""
-        self._runner = None
+        """Give back the KV cache (the learner trains in it); a memory_saver engine keeps its runner and graphs."""
+        if self._runner is not None and self.memory_saver and self._runner.can_release:
+            self._runner.release()
+        else:
+            self._runner = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Nothing to do: generate() builds the runner when it needs one."""
+        """Take the KV cache back (generate() also does it when it must)."""
+        if self._runner is not None:
+            self._runner.resume()
 
     @property
     def captures(self) -> int:
@@ -211,9 +226,12 @@ class EmbeddedEngine:
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits)
+            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits, self.memory_saver)
+            self.runner_builds += 1
         runner = self._runner
-        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
+        runner.resume()  # a no-op unless the memory was given back
+        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows,
+                                                slots=runner.cache.capacity)
         captures = runner.captures
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
