@@ -1,6 +1,8 @@
 """R-KV: attention importance minus key redundancy, for reasoning traces compressed while they are decoded."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,10 +12,16 @@ from ..ops import attention_logits, gqa_reduce, pool1d, scored_length, with_prot
 from .base import KVMethod, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
 
 COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
-# Scratch memory for the similarity blocks of one redundancy call: about an L2 cache on CPU, where bigger blocks are
-# memory-bound; on CUDA enough for few blocks (few kernel launches) at a fraction of an 80 GB GPU.
-SIM_SCRATCH_BYTES = {"cuda": 1 << 30}
+# Scratch memory for the similarity blocks of one redundancy call on the PyTorch path (blocks and their temporaries):
+# about an L2 cache on CPU, where bigger blocks are memory-bound; on CUDA a few blocks at a small share of the
+# compaction's workspace (the compressor bounds the whole of it).
+SIM_SCRATCH_BYTES = {"cuda": 128 << 20}
 DEFAULT_SIM_SCRATCH_BYTES = 4 << 20
+SIM_TEMP_BYTES = 1 + 4 + 4  # per similarity entry beside the block: `sim > t` (bool), its int32 cast, times slot
+# The near-duplicate search: "triton" (kv/kernels/rkv.py), "torch" (the reference), or "auto" (the default: Triton on
+# CUDA when it is importable).
+KERNEL_ENV = "SLIME_SPARSE_RKV_KERNEL"
+KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
 @register
@@ -55,7 +63,8 @@ class RKV(KVMethod):
         return with_protected(mixed, n, self.sinks)
 
 
-def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None) -> Tensor:
+def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None,
+                   kernel: str | None = None) -> Tensor:
     """R-KV's redundancy of every slot: [..., Hkv, n] float32, a softmax over slots (each head's row sums to 1).
 
     Per KV head, S = cosine similarity of keys with the diagonal zeroed. In each row i, the entry of the *newest*
@@ -66,11 +75,13 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
     that row's similarity to slot 0 is zeroed too (slot 0 looks slightly less redundant).
 
     Computed without keeping S: a column sum of S is u_j . sum_i u_i - u_j . u_j (u the unit keys, fp32), and only
-    j*(i) and S[i, j*(i)] need S itself, found block by block within `scratch_bytes` (default: SIM_SCRATCH_BYTES by
-    device). R-KV materialises S and passes over it about seven times; this reads each block twice. The blocks are
-    computed in the keys' dtype when it is half precision (bf16 / fp16 caches on a GPU: tensor cores, half the bytes),
-    which is where R-KV's own code finds near-duplicates (its `cal_similarity` runs in the cache's dtype); the values
-    subtracted and the column sums stay fp32. fp32 keys: everything in fp32.
+    j*(i) and S[i, j*(i)] need S itself. The near-duplicates are searched in the keys' dtype when it is half
+    precision (bf16 / fp16 caches on a GPU: tensor cores, half the bytes), which is where R-KV's own code finds them
+    (its `cal_similarity` runs in the cache's dtype); the values subtracted and the column sums stay fp32. fp32
+    keys: everything in fp32. Two ways to search, equal up to fp32 rounding (`kernel`, default `redundancy_kernel`):
+    - "triton": kv/kernels/rkv.py, which never writes S and charges the columns without atomics (deterministic);
+    - "torch": S in blocks of at most `scratch_bytes` of temporaries (default SIM_SCRATCH_BYTES by device), each
+      read twice, the columns charged with `scatter_add_`. The reference.
     """
     k = keys.float()
     unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
@@ -78,10 +89,13 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
     flat = unit.reshape(-1, n, d)  # [E, n, d]: one entry per (leading index, head)
     columns = (flat @ flat.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (flat * flat).sum(dim=-1)  # [E, n]
     half = keys.dtype in (torch.bfloat16, torch.float16)
+    if (kernel or redundancy_kernel(keys.device)) == "triton":
+        from ..kernels.rkv import charged_columns  # Triton is imported only where the kernel runs
+
+        columns = charged_columns(flat, columns, sim_threshold, keys.dtype if half else torch.float32)
+        return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
     search = flat.to(keys.dtype) if half else flat
-    if scratch_bytes is None:
-        scratch_bytes = SIM_SCRATCH_BYTES.get(keys.device.type, DEFAULT_SIM_SCRATCH_BYTES)
-    block = max(1, scratch_bytes // (search.element_size() * n * n))
+    block = sim_block(n, search.element_size(), keys.device, scratch_bytes)
     slots = torch.arange(n, device=keys.device)
     for start in range(0, flat.shape[0], block):
         part = search[start : start + block]
@@ -96,6 +110,26 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
             value = sim.gather(-1, newest.unsqueeze(-1)).squeeze(-1)
         columns[start : start + block].scatter_add_(-1, newest, -value)
     return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
+
+
+def sim_block(n: int, element_size: int, device: torch.device, scratch_bytes: int | None = None) -> int:
+    """(Entry, head) pairs whose n x n similarity the PyTorch path computes at once: its block and the temporaries
+    `newest_duplicate` makes of it (a bool and two int32 per entry) within `scratch_bytes` (default
+    SIM_SCRATCH_BYTES by device)."""
+    if scratch_bytes is None:
+        scratch_bytes = SIM_SCRATCH_BYTES.get(device.type, DEFAULT_SIM_SCRATCH_BYTES)
+    return max(1, scratch_bytes // ((element_size + SIM_TEMP_BYTES) * n * n))
+
+
+def redundancy_kernel(device: torch.device) -> str:
+    """Which near-duplicate search `rkv_redundancy` runs on `device`: the env KERNEL_ENV ("triton", "torch"), else
+    ("auto") the Triton kernel on CUDA when triton is importable, the PyTorch path otherwise."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r} is invalid: choose one of {KERNEL_CHOICES}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    return choice
 
 
 def newest_duplicate(sim: Tensor, threshold: float) -> Tensor:
