@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ..ops import attention_logits, gqa_reduce, pool1d, scored_length, with_protected
-from .base import KVMethod, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
+from .base import KVMethod, ScoreShape, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
 
 COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
 # Scratch memory for the similarity blocks of one redundancy call on the PyTorch path (blocks and their temporaries):
@@ -62,6 +62,16 @@ class RKV(KVMethod):
         mixed = self.mix_lambda * self.importance(keys, queries) - (1.0 - self.mix_lambda) * redundancy
         return with_protected(mixed, n, self.sinks)
 
+    def score_bytes(self, s: ScoreShape) -> int:
+        """The redundancy's peak (`redundancy_bytes`), or the importance's beside the redundancy it keeps: fp32 copies
+        of half keys and queries while the logits are computed, logits and their scaled copy, then the GQA-reduced
+        logits and their softmax."""
+        logits = 4 * s.entries * s.q_heads * s.queries * s.slots
+        queries = s.upcast * s.entries * s.q_heads * s.queries * s.head_dim
+        reduced = 4 * s.entries * s.heads * s.queries * s.slots
+        importance = queries + max(s.upcast * s.keys + logits, 2 * logits, logits + 2 * reduced)
+        return max(redundancy_bytes(s), 4 * s.per_slot + importance)
+
 
 def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None,
                    kernel: str | None = None) -> Tensor:
@@ -83,8 +93,8 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
     - "torch": S in blocks of at most `scratch_bytes` of temporaries (default SIM_SCRATCH_BYTES by device), each
       read twice, the columns charged with `scatter_add_`. The reference.
     """
-    k = keys.float()
-    unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
+    unit = keys.float()
+    unit = unit / (unit.norm(dim=-1, keepdim=True) + COSINE_EPS)  # the fp32 copy of half keys is freed here
     n, d = unit.shape[-2:]
     flat = unit.reshape(-1, n, d)  # [E, n, d]: one entry per (leading index, head)
     columns = (flat @ flat.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (flat * flat).sum(dim=-1)  # [E, n]
@@ -119,6 +129,23 @@ def sim_block(n: int, element_size: int, device: torch.device, scratch_bytes: in
     if scratch_bytes is None:
         scratch_bytes = SIM_SCRATCH_BYTES.get(device.type, DEFAULT_SIM_SCRATCH_BYTES)
     return max(1, scratch_bytes // ((element_size + SIM_TEMP_BYTES) * n * n))
+
+
+def redundancy_bytes(s: ScoreShape) -> int:
+    """Peak bytes of `rkv_redundancy` over a call of shape `s`: the unit keys beside the fp32 copy of half keys and
+    the norms; the unit keys, x * x and the column sums; then the search: the unit keys, the column sums and (half
+    keys) their cast, with either the kernel's three [E, n] outputs or the PyTorch path's block of similarities and
+    its temporaries (or, half keys, the block beside two gathers of unit keys for S[i, j*])."""
+    unit, per_slot, n = 4 * s.keys, 4 * s.per_slot, s.slots
+    prepare = max(s.upcast * s.keys + unit + 2 * per_slot, 2 * unit + 2 * per_slot)
+    if redundancy_kernel(torch.device(s.device)) == "triton":
+        return max(prepare, unit + 4 * per_slot)
+    half = s.dtype_bytes != 4
+    search = s.dtype_bytes if half else 4
+    block = min(s.entries * s.heads, sim_block(n, search, torch.device(s.device)))
+    sims = block * n * n
+    temps = max(sims * (search + 8), sims * search + (8 * block * n * s.head_dim if half else 0))
+    return max(prepare, unit + per_slot + (s.dtype_bytes * s.keys if half else 0) + 8 * n + temps + 8 * block * n)
 
 
 def redundancy_kernel(device: torch.device) -> str:
