@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from slime_sparse.kv import KVCompressConfig, choose_slots, shares_selection
-from slime_sparse.kv.engine_memory import COMPACTION_WORKSPACE_BYTES, EntryShape, compaction_chunks
+from slime_sparse.kv import engine_memory
+from slime_sparse.kv.engine_memory import EntryShape, compaction_chunks
 from slime_sparse.kv.record import keep_bits, pack_rows
 
 from .cache import BudgetKVCache
@@ -42,9 +43,9 @@ class PackedBits:
 
 class Compressor:
     def __init__(self, cache: BudgetKVCache, kv: KVCompressConfig, budgets: tuple[int, ...],
-                 graphs: CapturedGraphs | None = None, workspace_bytes: int = COMPACTION_WORKSPACE_BYTES) -> None:
+                 graphs: CapturedGraphs | None = None, workspace_bytes: int | None = None) -> None:
         self.cache, self.kv, self.budgets, self.graphs = cache, kv, budgets, graphs
-        self.workspace_bytes = workspace_bytes
+        self.workspace_bytes = workspace_bytes  # None: engine_memory.COMPACTION_WORKSPACE_BYTES when a call runs
         self.entry_shape = EntryShape.of_cache(cache)
         self.scorer = kv.scorer
         self.uses_queries = self.scorer.needs_queries or (self.scorer.tracks_mass and cache.mass is None)
@@ -85,9 +86,10 @@ class Compressor:
     def _compact(self, rows: Tensor, groups: dict[int, list[int]], m: int) -> Tensor:
         """The compaction itself, device work only (what a graph captures): packed keep bits [R', bytes]."""
         count = rows.shape[0]
+        workspace = self.workspace_bytes or engine_memory.COMPACTION_WORKSPACE_BYTES
         chunks = {n: compaction_chunks(self.kv, self.entry_shape, len(layers), count, n, m,
-                                       max(self.budgets[layer] for layer in layers), self.workspace_bytes,
-                                       rows.device.type) for n, layers in groups.items()}
+                                       max(self.budgets[layer] for layer in layers), workspace, rows.device.type)
+                  for n, layers in groups.items()}
         scores = {n: self._scores(self._layers(layers), rows, n, m, chunks[n][0]) for n, layers in groups.items()}
         step = min(rows_per_chunk for _, rows_per_chunk in chunks.values())
         if step >= count:
