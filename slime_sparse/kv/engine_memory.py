@@ -7,9 +7,12 @@
                      a prefill forward  (`prefill_bytes`)      activations of every admitted row's prompt chunk
                      a compaction       (`compaction_bytes`)   chunks bounded by COMPACTION_WORKSPACE_BYTES
 
-Eagerly the phases take turns in one allocator: their largest counts. Under CUDA graphs the decode steps and the
-decode-time compactions live in the graphs' private pool, which eager work (prefill, the compactions of a prompt)
-cannot use: the pool's peak and the eager peak add up.
+Eagerly the phases take turns in one allocator: their largest counts. Under CUDA graphs three sets of cached blocks
+add up, since torch's caching allocator never lends one's to another: the graphs' private pool (decode steps and
+decode-time compactions), the eager run of each key before its capture (on a side stream: blocks are cached per
+stream), and the eager work of the default stream (prefill, a prompt's compactions). This holds while the captures'
+warm-ups share one side stream; step.py's `CapturedGraphs` takes a new one per capture, which PyTorch hands out from a
+pool of 32, so the warm-ups' cached blocks can exceed one working set (to be fixed there).
 
 Every term is a formula over tensor shapes, read from the code that allocates them (named beside each); the tests
 measure the allocations of the real code (`utils.mem_audit.LiveBytes`, torch's allocator on CUDA) against them
@@ -263,8 +266,9 @@ def engine_bytes(spec: EngineSpec, rows: int) -> dict[str, int]:
         workspace = spec.workspace if spec.workspace is not None else COMPACTION_WORKSPACE_BYTES
         compaction = compaction_bytes(kv, entry, s.num_layers, rows, spec.capacity, kv.window, spec.capacity - kv.buffer,
                                       workspace, spec.device)
-    if spec.graphs:  # the graphs' pool (decode steps, decode-time compactions) beside the eager allocations
+    if spec.graphs:  # three caches of blocks that never serve one another (see the module docstring)
         parts["decode graphs' pool"] = max(decode, compaction)
+        parts["graph warm-ups (side stream)"] = max(decode, compaction)
         parts["prefill (eager)"] = max(prefill, compaction)
     else:
         parts["working set (largest phase)"] = max(decode, prefill, compaction)

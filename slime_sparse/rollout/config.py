@@ -31,8 +31,10 @@ class RolloutConfig:
     max_batch_size: int = field(default=64, metadata={"help": (
         "sequences decoded at once per engine (embedded; with --rollout-kv-cache-gib, at most this many)")})
     kv_cache_gib: float | None = field(default=None, metadata={"help": (
-        "embedded engine: KV memory for its cache; it decodes as many sequences at once as rows of the KV config's "
-        "size fit (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole sequence), at most "
+        "embedded engine: memory for its KV cache and every working set; it decodes as many sequences at once as fit "
+        "with them: each row's KV (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole "
+        "sequence) and state, plus a decode step's logits and sampler, a prefill's activations and a compaction's "
+        "bounded workspace (slime_sparse/kv/engine_memory.py; tools/plan_memory.py prints the same count), at most "
         "--rollout-max-batch-size (SGLang's --mem-fraction-static with --max-running-requests)")})
     cuda_graph: bool = field(default=True, metadata={"help": (
         "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
@@ -98,7 +100,7 @@ class RolloutConfig:
         positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
         non_negative(self, "dynamic_sampling_min_kept_samples")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB of KV memory)")
+            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB for the KV cache and working sets)")
         choice(self, "engine", ROLLOUT_ENGINES)
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
         self.advantage_spec.validate()
