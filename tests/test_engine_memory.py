@@ -90,7 +90,8 @@ def test_a_compaction_allocates_what_is_counted(method):
     """Unchunked: `compaction_bytes` is the peak to 2 %. Chunked (a small workspace): the peak stays under the count
     (the workspace, counted whole) and fills much of it (chunks are whole entries and rows)."""
     kv = kv_config(method, 96, 32, 8)
-    for layers, rows, heads, q_heads, d, dtype in [(3, 8, 2, 8, 32, torch.float32), (2, 16, 2, 12, 128, torch.bfloat16)]:
+    for layers, rows, heads, q_heads, d, dtype in [(3, 8, 2, 8, 32, torch.float32),
+                                                   (2, 16, 2, 12, 128, torch.bfloat16)]:
         runner, budgets = meta_runner(kv, layers, rows, heads, q_heads, d, dtype)
         shape, n = EntryShape.of_cache(runner.cache), runner.cache.capacity
         counted = compaction_bytes(kv, shape, layers, rows, n, kv.window, max(budgets), 1 << 40, "meta")
@@ -118,7 +119,8 @@ def test_chunks_keep_what_one_call_keeps(method):
         cache, g = runner.cache, torch.Generator().manual_seed(0)
         for t in (cache.key, cache.value, cache.queries, cache.mass):
             if t is not None:
-                t.copy_(torch.randn(t.shape, generator=g).abs() if t is cache.mass else torch.randn(t.shape, generator=g))
+                values = torch.randn(t.shape, generator=g)
+                t.copy_(values.abs() if t is cache.mass else values)
         cache.positions.copy_(torch.arange(cache.capacity, dtype=torch.int32).expand_as(cache.positions))
         cache.seen.fill_(40)
         cache.fill.fill_(cache.capacity)

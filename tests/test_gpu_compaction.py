@@ -73,7 +73,8 @@ def test_kernel_equals_the_pytorch_path_on_cuda(dtype):
     kept = {k: choose_slots(RKV, s[None], [512])[0] for k, s in scores.items()}
     same_sets = (kept["torch"] == kept["triton"]).all(dim=-1).float().mean().item()
     report(check=f"rkv kernel exactness {dtype}", newest_differ=int(differ.sum()), of=differ.numel(),
-           outside_threshold_ties=int((differ & ~near).sum()), value_max_err=float(value_err), kept_sets_equal=same_sets)
+           outside_threshold_ties=int((differ & ~near).sum()), value_max_err=float(value_err),
+           kept_sets_equal=same_sets)
     assert not (differ & ~near).any()
     assert same_sets >= 0.999
 
@@ -135,7 +136,8 @@ def test_compaction_scratch_at_batch_256_of_qwen25_1p5b(kernel, monkeypatch):
     end.record()
     torch.cuda.synchronize()
     scratch = torch.cuda.max_memory_allocated() - before
-    report(check=f"compaction scratch, batch 256, {kernel}", scratch_gib=scratch / GIB, kv_gib=runner.cache.kv_bytes / GIB,
+    report(check=f"compaction scratch, batch 256, {kernel}", scratch_gib=scratch / GIB,
+           kv_gib=runner.cache.kv_bytes / GIB,
            ms=start.elapsed_time(end), target_le_1_gib=met(scratch <= GIB))
     assert scratch <= GIB
 
@@ -175,5 +177,6 @@ def test_generate_holds_what_admission_counts_on_cuda(method):
     admitted = sum(engine_bytes(spec, rows).values())
     report(check=f"engine memory on CUDA, {method}", counted_live_gib=live / GIB, peak_allocated_gib=peak / GIB,
            ratio=live / peak, target_within_10pct=met(abs(live / peak - 1) <= 0.1),
-           counted_with_graphs_gib=admitted / GIB, peak_reserved_gib=reserved / GIB, captures=engine.last_stats.captures)
+           counted_with_graphs_gib=admitted / GIB, peak_reserved_gib=reserved / GIB,
+           captures=engine.last_stats.captures)
     assert live == pytest.approx(peak, rel=0.10)

@@ -186,8 +186,9 @@ def body_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, s
 
 def attention_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int, dtype_bytes: int) -> int:
     """Peak bytes of one layer's attention over `rows` rows of `width` new tokens reading `span` slots, beside the
-    stream (attention.py): the normed input, q, k and v after RoPE with RoPE's temporaries, then H2O's explicit fp32 attention
-    (half keys and values upcast, two score-sized fp32 tensors at a time, three in a prefill), a prefill's keys and values repeated to every
+    stream (attention.py): the normed input, q, k and v after RoPE with RoPE's temporaries, then H2O's explicit fp32
+    attention (half keys and values upcast, two score-sized fp32 tensors at a time, three in a prefill), a prefill's
+    keys and values repeated to every
     query head for SDPA and its output made contiguous; a decode step's SDPA reads them in place. The mask every layer
     shares is counted too."""
     d, q, b = shape.head_dim, shape.num_heads, dtype_bytes
@@ -264,8 +265,8 @@ def engine_bytes(spec: EngineSpec, rows: int) -> dict[str, int]:
     if kv.enabled and spec.capacity >= kv.budget + kv.buffer:  # rows reach the trigger: they compact
         entry = EntryShape(s.num_kv_heads, s.num_heads, s.head_dim, spec.dtype_bytes, kv.window, kv.traits.tracks_mass)
         workspace = spec.workspace if spec.workspace is not None else COMPACTION_WORKSPACE_BYTES
-        compaction = compaction_bytes(kv, entry, s.num_layers, rows, spec.capacity, kv.window, spec.capacity - kv.buffer,
-                                      workspace, spec.device)
+        compaction = compaction_bytes(kv, entry, s.num_layers, rows, spec.capacity, kv.window,
+                                      spec.capacity - kv.buffer, workspace, spec.device)
     if spec.graphs:  # three caches of blocks that never serve one another (see the module docstring)
         parts["decode graphs' pool"] = max(decode, compaction)
         parts["graph warm-ups (side stream)"] = max(decode, compaction)

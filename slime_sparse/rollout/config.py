@@ -100,7 +100,8 @@ class RolloutConfig:
         positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
         non_negative(self, "dynamic_sampling_min_kept_samples")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB for the KV cache and working sets)")
+            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 "
+                             "(GiB for the KV cache and working sets)")
         choice(self, "engine", ROLLOUT_ENGINES)
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
         self.advantage_spec.validate()

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from ..ops import attention_logits, gqa_reduce, pool1d, scored_length, with_protected
-from .base import KVMethod, ScoreShape, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
+from .base import (KVMethod, ScoreShape, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob,
+                   pooling_knob, register)
 
 COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
 # Scratch memory for the similarity blocks of one redundancy call on the PyTorch path (blocks and their temporaries):
