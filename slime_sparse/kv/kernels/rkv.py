@@ -55,8 +55,9 @@ def _newest_kernel(unit, newest_out, value_out, n, d, threshold, SEARCH: tl.cons
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     dims = tl.arange(0, BLOCK_D)
     base = unit + entry * n * d
-    u_i = tl.load(base + i[:, None] * d + dims[None, :], mask=(i[:, None] < n) & (dims[None, :] < d), other=0.0)
-    a = _search_values(u_i, SEARCH)
+    rows = base + i[:, None] * d + dims[None, :]
+    row_mask = (i[:, None] < n) & (dims[None, :] < d)
+    a = _search_values(tl.load(rows, mask=row_mask, other=0.0), SEARCH)
     newest = tl.zeros([BLOCK_I], dtype=tl.int32)
     for start in range(0, n, BLOCK_J):
         j = start + tl.arange(0, BLOCK_J)
@@ -73,7 +74,9 @@ def _newest_kernel(unit, newest_out, value_out, n, d, threshold, SEARCH: tl.cons
         sim = tl.where(i[:, None] == j[None, :], 0.0, _search_values(sim, SEARCH))
         hit = (sim > threshold) & (j[None, :] < n)
         newest = tl.maximum(newest, tl.max(tl.where(hit, j[None, :], 0), axis=1))
-    u_new = tl.load(base + newest[:, None] * d + dims[None, :], mask=(i[:, None] < n) & (dims[None, :] < d), other=0.0)
+    # S[i, j*] in fp32 from the unit keys (loaded again: the fp32 rows need not stay in registers through the loop)
+    u_i = tl.load(rows, mask=row_mask, other=0.0)
+    u_new = tl.load(base + newest[:, None] * d + dims[None, :], mask=row_mask, other=0.0)
     value = tl.where(newest == i, 0.0, tl.sum(u_i * u_new, axis=1))
     tl.store(newest_out + entry * n + i, newest, mask=i < n)
     tl.store(value_out + entry * n + i, value, mask=i < n)
