@@ -153,7 +153,7 @@ def test_scratch_at_batch_256_of_qwen25_1p5b_is_under_1_gib(monkeypatch):
     kv = KVCompressConfig(method="rkv", budget=512, buffer=128, window=8)
     runner, _ = meta_runner(kv, 28, 256, 2, 12, 128, torch.bfloat16)
     peak = measured_compaction(runner, 8)
-    assert peak <= 1 << 30 and peak <= 0.13 * runner.cache.kv_bytes
+    assert peak <= 1 << 30 and peak <= 0.2 * runner.cache.kv_bytes
 
 
 # ------------------------------------------------------------------------------------------------- the engine

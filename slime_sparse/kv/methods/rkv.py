@@ -16,7 +16,7 @@ COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
 # Scratch memory for the similarity blocks of one redundancy call on the PyTorch path (blocks and their temporaries):
 # about an L2 cache on CPU, where bigger blocks are memory-bound; on CUDA a few blocks at a small share of the
 # compaction's workspace (the compressor bounds the whole of it).
-SIM_SCRATCH_BYTES = {"cuda": 128 << 20}
+SIM_SCRATCH_BYTES = {"cuda": 256 << 20}
 DEFAULT_SIM_SCRATCH_BYTES = 4 << 20
 SIM_TEMP_BYTES = 1 + 4 + 4  # per similarity entry beside the block: `sim > t` (bool), its int32 cast, times slot
 # The near-duplicate search: "triton" (kv/kernels/rkv.py), "torch" (the reference), or "auto" (the default: Triton on
