@@ -25,18 +25,22 @@ SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per seque
 
 
 def same_kv_rows(row: RowSpec, args) -> list[str]:
-    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression, by the engine's
-    own allocation (`runner.row_bytes`: keys, values, positions, query ring, attention mass of `kv.row_capacity`
-    slots). A compressed sequence holds budget + buffer slots whatever its length, so the ratio grows with the length."""
-    from slime_sparse.kv import row_capacity
-    from slime_sparse.rollout.embedded.runner import row_bytes
+    """How many sequences of this row fit in --same-kv-gib of memory, dense vs each compression, by the engine's own
+    count (`kv.engine_memory`: each row's KV and state of `kv.row_capacity` slots, and every working set). A
+    compressed sequence holds budget + buffer slots whatever its length, so the ratio grows with the length."""
+    from slime_sparse.kv import engine_memory, row_capacity
+    from slime_sparse.kv.memory_plan import ModelShape
 
     cfg = model_config(row.model, args)
     longest = row.prompt_len + row.new_tokens
     lines, dense_fit = [], None
     for kv in [KVCompressConfig()] + compressions(row, args):
         slots = row_capacity(kv, longest)
-        fit = int(args.same_kv_gib * 2**30 // row_bytes(cfg, kv, slots, DTYPES[args.dtype]))
+        cuda = args.device.startswith("cuda")  # the engine's defaults there: graphs, a readback every 8 steps
+        spec = engine_memory.EngineSpec(ModelShape.from_hf_config(cfg.to_dict()), kv, slots, slots,
+                                        DTYPES[args.dtype].itemsize, graphs=cuda, readback=8 if cuda else 1,
+                                        device="cuda" if cuda else "cpu")
+        fit = engine_memory.max_rows(spec, int(args.same_kv_gib * 2**30))
         dense_fit = fit if dense_fit is None else dense_fit
         name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
         lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | {slots} | "

@@ -124,7 +124,7 @@ class StepSpec:
     offload_rollout: bool = True  # the engine's KV cache is given back while the learner works (--offload-rollout)
     with_ref: bool = False  # a frozen reference model (--use-kl-loss with a coefficient)
     entropy: bool = False  # --entropy-coef != 0
-    kv: KVCompressConfig | None = None  # the rollout's compression (None: R-KV when kv_window > 0, else dense)
+    kv: KVCompressConfig | None = None  # the rollout's compression (None: R-KV of kv_slots if kv_window > 0, else dense)
 
     def __post_init__(self) -> None:
         if self.learner not in LEARNERS:
@@ -143,9 +143,11 @@ class StepSpec:
         """The in-process engine of the rollout phase as its own admission counts it (kv/engine_memory.py): on a GPU,
         with CUDA graphs, reading back every 8 steps, sampling at the trainer's defaults."""
         kv = self.kv
-        if kv is None:
-            kv = KVCompressConfig(method="rkv", budget=self.kv_slots - KVCompressConfig.buffer,
-                                  window=self.kv_window) if self.kv_window else KVCompressConfig()
+        if kv is None and self.kv_window:  # R-KV holding kv_slots = budget + buffer, in the default's proportions
+            default = KVCompressConfig()
+            buffer = max(1, self.kv_slots * default.buffer // (default.budget + default.buffer))
+            kv = KVCompressConfig(method="rkv", budget=self.kv_slots - buffer, buffer=buffer, window=self.kv_window)
+        kv = kv or KVCompressConfig()
         return EngineSpec(shape, kv, self.kv_slots, min(self.prompt_len, self.kv_slots), self.dtype_bytes,
                           graphs=True, readback=8)
 
