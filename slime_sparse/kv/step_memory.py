@@ -124,7 +124,7 @@ class StepSpec:
     offload_rollout: bool = True  # the engine's KV cache is given back while the learner works (--offload-rollout)
     with_ref: bool = False  # a frozen reference model (--use-kl-loss with a coefficient)
     entropy: bool = False  # --entropy-coef != 0
-    kv: KVCompressConfig | None = None  # the rollout's compression (None: R-KV of kv_slots if kv_window > 0, else dense)
+    kv: KVCompressConfig | None = None  # the rollout's compression (None: R-KV if kv_window > 0, else dense)
 
     def __post_init__(self) -> None:
         if self.learner not in LEARNERS:
