@@ -72,6 +72,8 @@ def cuda_scratch(engine_cls):
         module = sys.modules.get(module_name)
         if module is not None and hasattr(module, name):
             patched.append((module, name, getattr(module, name)))
+            if name == "DEFAULT_SIM_SCRATCH_BYTES":  # the package's own CUDA size where it states one
+                value = getattr(module, "SIM_SCRATCH_BYTES", {}).get("cuda", value)
             setattr(module, name, value)
     try:
         yield

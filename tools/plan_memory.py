@@ -14,8 +14,9 @@ layers) is listed with the reason.
 --hf-config is a model name this tool knows (Qwen2.5 0.5B-72B, Qwen3 0.6B-32B, Llama 3.1 8B / 70B, Llama 3.2 1B / 3B:
 slime_sparse/kv/known_models.py), a config.json, or a model directory holding one. Every default is the trainer's
 (`slime-sparse-train`): the same flag means the same thing here. Pure arithmetic (slime_sparse/kv/memory_plan.py,
-slime_sparse/kv/step_memory.py): no GPU, no weights. CUDA graphs, the CUDA context and allocator fragmentation are
-not counted; treat the request counts as upper bounds.
+slime_sparse/kv/step_memory.py, and for the in-process engine slime_sparse/kv/engine_memory.py, the count its own
+admission uses): no GPU, no weights. The CUDA context and allocator fragmentation are not counted; treat the request
+counts as upper bounds.
 """
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ from slime_sparse.kv import KVCompressConfig, row_capacity  # noqa: E402
 from slime_sparse.kv.known_models import KNOWN_MODELS, known_config  # noqa: E402
 from slime_sparse.kv.learner_layouts import (RECOMPUTE, describe_misfit, layouts_of, plan_layout,  # noqa: E402
                                              rank_layouts)
-from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_learner, plan_rollout  # noqa: E402
+from slime_sparse.kv.engine_memory import KV_PART, engine_bytes  # noqa: E402
+from slime_sparse.kv.engine_memory import max_rows as engine_max_rows  # noqa: E402
+from slime_sparse.kv.engine_memory import row_bytes as engine_row_bytes  # noqa: E402
+from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_rollout  # noqa: E402
 from slime_sparse.kv.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks,  # noqa: E402
                                          plan_step, train_activation_bytes)
 from slime_sparse.rollout.embedded.engine import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
@@ -109,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help="the learner")
     step.add_argument("--no-offload-rollout", action="store_true",
                       help="the engine keeps its KV cache while the learner works (default: it gives it back)")
+    step.add_argument("--rollout-kv-cache-gib", type=float, default=None,
+                      help="also print the rows the in-process engine admits in this much memory for its KV and every "
+                           "working set (its own count: slime_sparse/kv/engine_memory.py)")
     learner = p.add_argument_group("the Megatron learner over several GPUs")
     learner.add_argument("--learner-layouts", nargs="*", default=[], metavar="TPxPPxDP",
                          help="layouts to plan, such as 2x1x4 (default: none, or every layout of --gpus)")
@@ -231,7 +238,7 @@ def print_step(args: argparse.Namespace, shape: ModelShape, kv: KVCompressConfig
                             max_tokens_per_gpu=args.max_tokens_per_gpu, recompute=None if recompute == "none" else recompute,
                             dtype_bytes=b,
                             learner=args.train_backend, offload_rollout=not args.no_offload_rollout,
-                            with_ref=args.use_kl_loss)
+                            with_ref=args.use_kl_loss, kv=cfg)
             largest = largest_micro_batch(shape, step, int(args.gpu_gib * GIB))
             columns.append((f"{name}/{recompute}", phase_peaks(plan_step(shape, step)), largest))
     width = max(13, max(len(c[0]) for c in columns) + 2)
@@ -246,6 +253,9 @@ def print_step(args: argparse.Namespace, shape: ModelShape, kv: KVCompressConfig
     if not all(c[2] for c in columns):
         print(colocated_misfit(shape, StepSpec(**{**step.__dict__, "max_tokens_per_gpu": longest, "recompute": "full"}),
                                args.gpu_gib, [c[0] for c in columns if not c[2]]))
+
+    if args.rollout_kv_cache_gib:
+        print_admission(args, shape, kv, b)
 
 
 def colocated_misfit(shape: ModelShape, one_row: StepSpec, gpu_gib: float, names: list[str]) -> str:
@@ -262,6 +272,23 @@ def colocated_misfit(shape: ModelShape, one_row: StepSpec, gpu_gib: float, names
             + ("without --use-kl-loss (no reference copy) or " if one_row.with_ref else "")
             + "with a shorter --max-new-tokens it may; otherwise shard the learner (--train-backend megatron, "
             "--gpus N plans its layouts)")
+
+
+def print_admission(args: argparse.Namespace, shape: ModelShape, kv: KVCompressConfig, b: int) -> None:
+    """Rows the in-process engine admits in --rollout-kv-cache-gib, dense vs `kv`, and what they hold at the peak."""
+    budget = int(args.rollout_kv_cache_gib * GIB)
+    print(f"\nthe in-process engine in --rollout-kv-cache-gib {args.rollout_kv_cache_gib:g} (KV and every working set, "
+          f"on a GPU with CUDA graphs, sampling at T=1):")
+    print(f"{'':<14}{'rows':>8}{'KV + state GiB':>16}{'working sets GiB':>18}{'KV only: rows':>15}")
+    for name, cfg in (("dense", KVCompressConfig()), (kv.method, kv)):
+        capacity = row_capacity(cfg, args.prompt_len + args.max_new_tokens)
+        spec = StepSpec(seqs=1, prompt_len=args.prompt_len, response_len=args.max_new_tokens, engine_rows=1,
+                        kv_slots=capacity, dtype_bytes=b, kv=cfg).engine(shape)
+        rows = engine_max_rows(spec, budget)
+        parts = engine_bytes(spec, rows) if rows else {KV_PART: 0}
+        kv_only = budget // engine_row_bytes(shape, cfg, capacity, b, spec.readback)
+        print(f"{name:<14}{rows:>8,}{parts[KV_PART] / GIB:>16.2f}{(sum(parts.values()) - parts[KV_PART]) / GIB:>18.2f}"
+              f"{kv_only:>15,}")
 
 
 if __name__ == "__main__":

@@ -33,9 +33,11 @@ class RolloutConfig:
         "--rollout-kv-cache-gib or --rollout-mem-fraction, which then admit what fits (as SGLang's "
         "--max-running-requests defaults from its memory)")})
     kv_cache_gib: float | None = field(default=None, metadata={"help": (
-        "embedded engine: memory for its KV cache; it decodes as many sequences at once as rows of the KV config's "
-        "size fit (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole sequence), at most "
-        "--rollout-max-batch-size if given (SGLang's --mem-fraction-static, in GiB)")})
+        "embedded engine: memory for its KV cache and every working set; it decodes as many sequences at once as fit "
+        "with them: each row's KV (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole "
+        "sequence) and state, plus a decode step's logits and sampler, a prefill's activations and a compaction's "
+        "bounded workspace (slime_sparse/kv/engine_memory.py; tools/plan_memory.py prints the same count), at most "
+        "--rollout-max-batch-size if given (SGLang's --mem-fraction-static with --max-running-requests)")})
     mem_fraction: float | None = field(default=None, metadata={"help": (
         "embedded engine: --rollout-kv-cache-gib as this fraction of the device memory free when the engine is "
         "built, after the learner's and the engine's weights are loaded (CUDA: torch.cuda.mem_get_info; CPU: "
@@ -107,6 +109,9 @@ class RolloutConfig:
         non_negative(self, "dynamic_sampling_min_kept_samples")
         if self.max_batch_size is not None:
             positive(self, "max_batch_size")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 "
+                             "(GiB for the KV cache and working sets)")
         choice(self, "engine", ROLLOUT_ENGINES)
         self._validate_memory()
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)

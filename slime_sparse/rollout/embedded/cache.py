@@ -202,20 +202,21 @@ class BudgetKVCache(Cache):
         self.seen[dst] = self.seen[src]
 
     # ---- compaction (compressor.py) ----
-    def gather(self, t: Tensor, layers: Tensor | None, rows: Tensor, n: int | None = None) -> Tensor:
-        """[L', R', ...] copy of the first n slots (all, for n None) of `rows` in `layers` (None: every layer) of a
-        cache tensor: one indexing op that copies only what it returns."""
+    def gather(self, t: Tensor, layers: Tensor, rows: Tensor, n: int | None = None) -> Tensor:
+        """[E, ...] copy of the first n slots (all, for n None) of entries (layers[e], rows[e]) of a cache tensor (both
+        [E]): one indexing op that copies only what it returns."""
         if n is not None:
             t = t[:, :, :, :n]
-        return t[:, rows] if layers is None else t[layers[:, None], rows[None, :]]
+        return t[layers, rows]
 
-    def window_queries(self, layers: Tensor | None, rows: Tensor, m: int) -> Tensor:
-        """[L', R', Hq, m, d]: each row's last m queries in `layers`, oldest first (every row has seen at least m)."""
+    def window_queries(self, layers: Tensor, rows: Tensor, m: int) -> Tensor:
+        """[E, Hq, m, d]: the last m queries of entries (layers[e], rows[e]), oldest first (every row has seen at least
+        m)."""
         if self.queries is None:
             raise RuntimeError("this cache does not record queries")
-        order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [R', m]
-        ring = self.gather(self.queries, layers, rows)  # [L', R', Hq, window, d]
-        return ring.gather(3, order[None, :, None, :, None].expand(ring.shape[0], -1, ring.shape[2], -1, ring.shape[4]))
+        order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [E, m]
+        ring = self.gather(self.queries, layers, rows)  # [E, Hq, window, d]
+        return ring.gather(2, order[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
 
     def compact(self, layers: Tensor, rows: Tensor, kept: Tensor, fill_after: Tensor) -> None:
         """Move slots kept [L', R', H', W] (sorted; L' and H' may be 1: shared by every layer / head) of `layers`

@@ -9,10 +9,12 @@ never waits for the device; compaction (compressor.py) runs between steps, for e
 KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
 too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
 above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
-KV memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), the engine decodes as many sequences at once as
-rows of the method's size fit in it (a compressed row holds budget + buffer slots, a dense one the whole sequence), so
-compression becomes concurrency. Between rollouts a `memory_saver` engine gives that memory back and takes it again
-without capturing its CUDA graphs again (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
+Memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), the engine decodes as many sequences at once as
+fit in it with every working set: a row's KV (a compressed row holds budget + buffer slots, a dense one the whole
+sequence) and state, plus the largest of a decode step's, a prefill's and a compaction's temporaries
+(kv/engine_memory.py counts them; the planner uses the same count), so compression becomes concurrency. Between
+rollouts a `memory_saver` engine gives that memory back and takes it again without capturing its CUDA graphs again
+(`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
 Random streams: sample i of a call seeded `seed` draws its t-th token from counter_uniform(derive_seed(seed, i), t),
 so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
@@ -27,6 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
+from slime_sparse.kv import engine_memory
+from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput, KVStats
@@ -36,7 +40,7 @@ from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
 from .attention import budget_attention_installed
 from .contract import check_model, eos_ids
-from .runner import ModelRunner, RunnerShape, row_bytes
+from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
@@ -67,9 +71,9 @@ class EmbeddedEngine:
       then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
       ever runs past its end).
     fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
-    kv_cache_gib: KV memory for the cache (--rollout-kv-cache-gib): the engine decodes as many sequences at once as
-      rows of the KV config's size fit in it (at most max_batch_size, if given). mem_fraction: instead, that fraction of
-      the device's free memory once the weights are loaded (--rollout-mem-fraction; `utils.device.free_memory_bytes`).
+    kv_cache_gib: memory for the cache and every working set (--rollout-kv-cache-gib): the engine decodes as many
+      sequences at once as fit in it (`memory_spec`; at most max_batch_size, if given). mem_fraction: instead, that
+      fraction of the device's free memory once the weights are loaded (--rollout-mem-fraction).
     max_batch_size: None: no cap with a memory size (what fits), else DEFAULT_MAX_BATCH_SIZE.
     memory_saver: `release_memory` gives the cache back but keeps the runner and its graphs (--offload-rollout).
     """
@@ -113,6 +117,7 @@ class EmbeddedEngine:
         self.readback_interval = readback_interval
         self.model = load_model(model_or_path, self.device, dtype)
         check_model(self.model)
+        self.model_shape = ModelShape.from_hf_config(self.model.config.to_dict())
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.fp32_lm_head = fp32_lm_head
         if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
@@ -221,7 +226,7 @@ class EmbeddedEngine:
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
-        shape = self._runner_shape(kv, longest, len(sequences))
+        shape = self._runner_shape(kv, longest, len(sequences), max(len(s.prompt) for s in sequences), params)
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
@@ -236,34 +241,47 @@ class EmbeddedEngine:
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
                   set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace).run(outputs)
+                  self._weight_version, stats, self.kv_trace, max_running=shape.rows).run(outputs)
         stats.captures = runner.captures - captures
 
-    def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int) -> RunnerShape:
-        """What a call of `sequences` sequences of at most `longest` tokens needs: the runner of the last call serves
-        it if it holds that much. With graphs, capacity is rounded up to the span granularity (graphs read spans of
-        that granularity anyway), so that calls of similar lengths share one runner."""
+    def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int, prompt: int | None = None,
+                      params: SamplingParams | None = None) -> RunnerShape:
+        """What a call of `sequences` sequences of at most `longest` tokens (prompts of at most `prompt`) needs: the
+        runner of the last call serves it if it holds that much. With graphs, capacity is rounded up to the span
+        granularity (graphs read spans of that granularity anyway), so that calls of similar lengths share one
+        runner."""
         mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
         capacity = row_capacity(kv, longest)
         if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):
             capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, self.model.config.max_position_embeddings)
-        return RunnerShape(kv, min(self.max_rows(kv, capacity), sequences), capacity, mode, self.readback_interval)
+        spec = self.memory_spec(kv, capacity, prompt, params, mode)
+        return RunnerShape(kv, min(self.max_rows(spec), sequences), capacity, mode, self.readback_interval)
 
-    def rows_for(self, kv: KVCompressConfig, longest: int) -> int:
+    def rows_for(self, kv: KVCompressConfig, longest: int, prompt: int | None = None,
+                 params: SamplingParams | None = None) -> int:
         """Sequences of at most `longest` tokens this engine decodes at once under `kv`: --rollout-max-batch-size, or
         what fits in --rollout-kv-cache-gib (the smaller of the two)."""
-        return self._runner_shape(kv, longest, 2**62).rows
+        return self._runner_shape(kv, longest, 2**62, prompt, params).rows
 
-    def max_rows(self, kv: KVCompressConfig, capacity: int) -> int:
-        """Rows of `capacity` slots this engine allocates at most: max_batch_size, or what fits in kv_cache_gib (the
-        smaller of the two)."""
+    def memory_spec(self, kv: KVCompressConfig, capacity: int, prompt: int | None = None,
+                    params: SamplingParams | None = None, mode: str | None = None) -> engine_memory.EngineSpec:
+        """What this engine's memory depends on for rows of `capacity` slots (kv/engine_memory.py): prompts of at most
+        `prompt` tokens (None: a full row), sampled with `params` (None: the defaults)."""
+        return engine_memory.EngineSpec(
+            self.model_shape, kv, capacity, min(prompt or capacity, capacity), self.model.dtype.itemsize,
+            engine_memory.Sampler.of(params or SamplingParams()), self.fp32_lm_head,
+            graphs=(mode or self.step_mode) == "cuda_graph", readback=self.readback_interval, device=self.device.type)
+
+    def max_rows(self, spec: engine_memory.EngineSpec) -> int:
+        """Rows this engine allocates at most: max_batch_size, or what fits in kv_cache_gib with every working set
+        (`engine_memory.engine_bytes`), the smaller of the two."""
         if self.kv_cache_gib is None:
             return self.max_batch_size
-        fit = int(self.kv_cache_gib * 2**30) // row_bytes(self.model.config, kv, capacity, self.model.dtype)
+        fit = engine_memory.max_rows(spec, int(self.kv_cache_gib * 2**30), self.max_batch_size)
         if fit < 1:
-            raise ValueError(f"kv_cache_gib={self.kv_cache_gib} holds no row of {capacity} slots under --kv-method "
-                             f"{kv.method} (--rollout-kv-cache-gib)")
-        return fit if self.max_batch_size is None else min(fit, self.max_batch_size)
+            raise ValueError(f"kv_cache_gib={self.kv_cache_gib} holds no row of {spec.capacity} slots and its working "
+                             f"sets under --kv-method {spec.kv.method} (--rollout-kv-cache-gib)")
+        return fit
 
     def _logits(self, hidden: Tensor) -> Tensor:
         """Next-token logits [n, V] float32 from the final hidden states [n, hidden]: the learners' head arithmetic

@@ -14,7 +14,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig
+from slime_sparse.kv import KVCompressConfig, engine_memory
+from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
 from .arena import new_arena
@@ -41,15 +42,11 @@ class RunnerShape:
 
 
 def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dtype) -> int:
-    """Device bytes one cache row takes (keys, values, positions, the query ring, attention mass): what KV-memory
-    admission divides a budget by."""
-    cfg = model_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-    size = torch.empty((), dtype=dtype).element_size()
-    per_slot = kv_heads * (2 * head_dim * size + 4 + (4 if kv.traits.tracks_mass else 0))
-    ring = cfg.num_attention_heads * kv.window * head_dim * size if kv.traits.needs_queries else 0
-    return layers * (capacity * per_slot + ring)
+    """Device bytes one row holds for its whole life (keys, values, positions, the query ring, attention mass, its
+    decode state): `kv.engine_memory.row_bytes` of an HF config. Admission counts the working sets too
+    (`EmbeddedEngine.memory_spec`)."""
+    return engine_memory.row_bytes(ModelShape.from_hf_config(model_config.to_dict()), kv, capacity,
+                                   torch.empty((), dtype=dtype).element_size())
 
 
 class ModelRunner:
