@@ -15,7 +15,7 @@ import slime_sparse.rollout.embedded.engine as engine_module
 import slime_sparse.rollout.embedded.runner as runner_module
 from slime_sparse.config_loader import load_config
 from slime_sparse.factory import EngineSpec, build_engine
-from slime_sparse.kv import KVCompressConfig, row_capacity
+from slime_sparse.kv import KVCompressConfig, engine_memory, row_capacity
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.embedded.arena import FixedAddressArena, StorageArena
@@ -117,8 +117,8 @@ def fake_vmm(monkeypatch):
 def test_a_memory_size_alone_admits_what_fits():
     m = model()
     longest = 11 + PARAMS.max_new_tokens
-    per_row = row_bytes(m.config, RKV, row_capacity(RKV, longest), torch.float32)
-    gib = 100 * per_row / 2**30
+    spec = EmbeddedEngine(m, RKV).memory_spec(RKV, row_capacity(RKV, longest))
+    gib = sum(engine_memory.engine_bytes(spec, 100).values()) / 2**30  # 100 rows with every working set
     assert EmbeddedEngine(m, RKV).max_batch_size == DEFAULT_MAX_BATCH_SIZE  # no memory size: the old default
     alone = EmbeddedEngine(m, RKV, kv_cache_gib=gib)
     fit = EmbeddedEngine(m, RKV, kv_cache_gib=gib, max_batch_size=10**6).rows_for(RKV, longest)  # what fits, uncapped
@@ -183,9 +183,10 @@ def test_the_trainers_engine_admits_by_flag(tmp_path, monkeypatch, flags, rows):
     sequences decodes at once."""
     m = model()
     longest = 11 + PARAMS.max_new_tokens
-    per_row = row_bytes(m.config, RKV, row_capacity(RKV, longest), torch.float32)
-    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: 400 * per_row)
-    values = {"G": str(100 * per_row / 2**30), "F": "0.25"}
+    spec = EmbeddedEngine(m, RKV).memory_spec(RKV, row_capacity(RKV, longest))
+    hundred = sum(engine_memory.engine_bytes(spec, 100).values())  # 100 rows with every working set
+    monkeypatch.setattr(engine_module, "free_memory_bytes", lambda device: 4 * hundred)
+    values = {"G": str(hundred / 2**30), "F": "0.25"}
     cfg = load_config(_base_args(tmp_path) + [values.get(f, f) for f in flags] + [
         "--kv-method", "rkv", "--kv-budget", "12", "--kv-buffer", "4", "--kv-window", "3", "--kv-kernel-size", "3"])
     engine = build_engine(EngineSpec.from_run(cfg))

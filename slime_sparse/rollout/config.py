@@ -109,9 +109,6 @@ class RolloutConfig:
         non_negative(self, "dynamic_sampling_min_kept_samples")
         if self.max_batch_size is not None:
             positive(self, "max_batch_size")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 "
-                             "(GiB for the KV cache and working sets)")
         choice(self, "engine", ROLLOUT_ENGINES)
         self._validate_memory()
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
@@ -134,7 +131,8 @@ class RolloutConfig:
     def _validate_memory(self) -> None:
         gib, fraction = flag(self, "kv_cache_gib"), flag(self, "mem_fraction")
         if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"{gib}={self.kv_cache_gib} is invalid: must be > 0 (GiB)")
+            raise ValueError(f"{gib}={self.kv_cache_gib} is invalid: must be > 0 (GiB for the KV cache and working "
+                             "sets)")
         if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
             raise ValueError(f"{fraction}={self.mem_fraction} is invalid: must lie in (0, 1)")
         if self.kv_cache_gib is not None and self.mem_fraction is not None:
