@@ -63,9 +63,9 @@ SHAPES = {"tiny": TINY, **{s: known_config(f"Qwen2.5-{s.upper()}") for s in ("0.
 # per shape: prompts, samples per prompt, prompt length, response length, KV budget, buffer, window
 SIZES = {"tiny": (2, 4, 16, 64, 16, 8, 4)}
 DEFAULT_SIZES = (64, 8, 128, 4096, 512, 128, 8)
-# rollout memory of both modes (--kv-gib): #43's 24 GiB; tiny: what its 8 sparse rows take in fp32 on CPU, where the
-# dense rows of 80 slots fit 2
-KV_GIB = {"tiny": 120_000 / 2**30}
+# rollout memory of both modes (--kv-gib): #43's 24 GiB; tiny: what its 8 sparse rows take in fp32 on CPU with every
+# working set (kv/engine_memory.py), where the dense rows of 80 slots fit 2
+KV_GIB = {"tiny": 620_000 / 2**30}
 DEFAULT_KV_GIB = 24.0
 PHASES = ("rollout", "reward", "recompute", "learner step", "weight update", "correction")
 PLANNED = {"rollout": "rollout", "recompute": "recompute", "learner step": "train", "weight update": "weight update"}

@@ -66,7 +66,7 @@ def fit_rows(row: RowSpec, args) -> list[dict]:
     for kv in configs(row, args):
         engine = EmbeddedEngine(model, kv, device="meta", step_mode=mode, kv_cache_gib=args.same_memory_gib)
         longest = row.prompt_len + row.new_tokens
-        fit = engine.rows_for(kv, longest)
+        fit = engine.rows_for(kv, longest, prompt=row.prompt_len)  # prompts of this row: its prefill
         dense = dense or fit
         records.append({"table": "same_memory_fit", "model": row.model, "prompt": row.prompt_len,
                         "new": row.new_tokens, "memory_gib": args.same_memory_gib, "kv": kv_name(kv),
@@ -113,7 +113,7 @@ def measured_rows(row: RowSpec, args) -> list[dict]:
             torch.cuda.reset_peak_memory_stats()
         run = our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_memory_gib)
         engine = run.engine
-        fit = engine.rows_for(kv, longest)
+        fit = engine.rows_for(kv, longest, prompt=row.prompt_len)  # prompts of this row: its prefill
         wave = min(fit, args.same_memory_max_prompts)
         fixed = Workload("fixed", make_prompts(RowSpec(row.model, wave, row.prompt_len, row.new_tokens), vocab,
                                                args.seed),

@@ -120,7 +120,7 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
         assert all(float(r[p]) >= 0 for p in phases)
         assert min(float(r["rollout s"]), float(r["recompute s"]), float(r["learner step s"])) > 0
     # the same memory, as the trainer's --rollout-kv-cache-gib alone: each mode's rows are its engine's admission
-    # (8 rows of R-KV 16 + 8 slots and a query ring hold 2 dense rows of 16 + 64 slots today)
+    # (8 rows of R-KV 16 + 8 slots, a query ring and their working sets hold 2 dense rows of 16 + 64 slots today)
     from transformers import AutoModelForCausalLM
 
     from slime_sparse.rollout.embedded import EmbeddedEngine
@@ -175,14 +175,16 @@ def test_rollout_bench_same_memory_and_op_counts(tmp_path):
     bench = load("rollout_bench")
     out = tmp_path / "rows.jsonl"
     lines = bench.main(["--rows", "tiny:4:24:40", "tiny:16:24:40", "--budgets", "16", "--buffer", "8", "--methods",
-                        "rkv", "h2o", "--same-memory-gib", "0.0003", "--same-memory-only", "--count-ops", "--repeats",
+                        "rkv", "h2o", "--same-memory-gib", "0.0006", "--same-memory-only", "--count-ops", "--repeats",
                         "1", "--mix-prompts", "24", "--json", str(out)])
     records = [json.loads(line) for line in out.read_text().splitlines()]
     fits = [r for r in records if r["table"] == "same_memory_fit"]
     runs = [r for r in records if r["table"] == "same_memory"]
     assert [r["kv"] for r in fits] == ["dense", "rkv B=16+8", "h2o B=16+8"]  # one row: the batch is what fits
     fit = {r["kv"]: r["fit"] for r in fits}
-    assert fit["rkv B=16+8"] > 2 * fit["dense"] > 0
+    # a row of this tiny model: its 64 dense slots weigh little beside the step's per-row logits and sampler, so
+    # compression fits only a third more here (long rows of a real model: tools/plan_memory.py --rollout-kv-cache-gib)
+    assert fit["rkv B=16+8"] > fit["dense"] > 0
     assert all(r["machine"].endswith(f"torch {torch.__version__}") for r in records)
     assert [(r["kv"], r["workload"]) for r in runs] == [(kv, w) for kv in fit for w in ("mix", "fixed")]
     for r in runs:
