@@ -112,8 +112,42 @@ def test_recipe_flags_are_valid_for_every_variant(study, tmp_path):
                            *lh.RECIPE, *run.VARIANTS[variant], "--kv-budget", str(lh.BUDGETS["quarter"])])
         assert cfg.train.num_rollout >= 150 and cfg.kv.budget == lh.BUDGETS["quarter"]
         assert cfg.kv.method == ("none" if variant == "dense" else "rkv")
-    assert lh.cells(["dense", "smd"], ["quarter"], [1, 2]) == [
-        ("dense", "quarter", 1), ("smd", "quarter", 1), ("dense", "quarter", 2), ("smd", "quarter", 2)]
+    assert lh.cells(["dense", "smd"], ["quarter"], [1, 2], [0]) == [
+        ("dense", "quarter", 1, 0), ("smd", "quarter", 1, 0), ("dense", "quarter", 2, 0), ("smd", "quarter", 2, 0)]
+    assert lh.cells(["dense"], ["quarter"], [1], [0, 7]) == [("dense", "quarter", 1, 0), ("dense", "quarter", 1, 7)]
+    assert lh.cell_dir("o", "dense", "quarter", 1, 7) == os.path.join("o", "assets7", "quarter", "dense-seed1")
+    assert lh.parse_label(lh.label("quarter", 7)) == ("quarter", 7) and lh.label("half", 0) == "half"
+    drift = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "x.jsonl"), *lh.RECIPE,
+                         *lh.ALL_VARIANTS["sparse_rl_drift"], "--eval-prompt-data", str(tmp_path / "x.jsonl")])
+    assert drift.kv.adaptive and drift.correction.preset == "mis"
+    seeded = lh.assets_config(7)
+    assert seeded.seed == seeded.warm_start.seed == 7 and lh.assets_config(0) == lh.ASSETS
+
+
+def test_drift_tables_from_a_fixture(study, tmp_path):
+    """The guard's first alarm, the separation of dense's and naive's intervals, and the adaptive row."""
+    lh, rep = study
+    import long_horizon_drift as drift
+
+    evals_dense = {0: {"dense": 0.01}, 10: {"dense": 0.05}, 20: {"dense": 0.30}}
+    evals_naive = {0: {"dense": 0.01}, 10: {"dense": 0.03}, 20: {"dense": 0.02}}
+    _write_run(tmp_path / "quarter" / "dense-seed1", [0.5] * 20, evals=evals_dense, n_prompts=128)
+    _write_run(tmp_path / "quarter" / "naive_sparse-seed1", [0.5] * 20, evals=evals_naive, n_prompts=128)
+    path = tmp_path / "quarter" / "naive_sparse-seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:  # probes before rollouts 1 and 11: the second one completes the alarm
+        if r["step"] in (1, 11) and "rollout/reward_mean" in r:
+            r.update({"drift/reward_gap": 0.1, "drift/reward_gap_se": 0.02, "drift/compressed_frac": 0.5,
+                      "drift/answer_agreement": 0.3, "drift/alarm": float(r["step"] == 11),
+                      "perf/drift_probe_s": 36.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {("quarter", v): [rep.load_run(str(tmp_path / "quarter" / f"{v}-seed1"))] for v in ("dense", "naive_sparse")}
+    assert drift.separation(runs[("quarter", "dense")][0], runs[("quarter", "naive_sparse")][0]) == 20
+    assert drift.first_alarm(runs[("quarter", "naive_sparse")][0]) == 11
+    sep = drift.separation_table(runs).splitlines()[2]
+    assert sep == "| quarter | 1 | 20 | 0.300 / 0.020 | 10 | +10 |"
+    guard = drift.guard_table(runs).splitlines()[2]
+    assert guard.startswith("| quarter | naive_sparse | 1 | 2 | 11 | 1 | +0.100 ± 0.020 |") and "| 1.0 % |" in guard
 
 
 @pytest.mark.timeout(900)
