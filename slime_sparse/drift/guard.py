@@ -111,6 +111,7 @@ class DriftGuard:
         metrics = probe_metrics(dense, comp)
         gap, se = metrics["drift/reward_gap"], metrics["drift/reward_gap_se"]
         sign = significance(gap, se) if kv.enabled else 0
+        move = None
         if self.adaptive is None:
             self.alarm.update(sign)
             alarmed = self.alarm.alarmed
@@ -132,7 +133,7 @@ class DriftGuard:
         metrics["drift/alarm"] = float(alarmed)
         if alarmed and self.first_alarm is None:
             self.first_alarm = step
-        if alarmed and not self.warned and (self.adaptive is None or self.adaptive.at_top):
+        if alarmed and not self.warned and (self.adaptive is None or (move is None and self.adaptive.at_top)):
             self._warn(step, gap, se)
         metrics["perf/drift_probe_s"] = time.perf_counter() - t0
         return metrics
