@@ -126,7 +126,8 @@ class CoinEngine:
         self.calls = []
 
     def generate(self, prompts, params, seed=None, index_offset=0, *, kv=None):
-        self.calls.append({"seed": seed, "index_offset": index_offset, "kv": kv, "n": len(prompts)})
+        self.calls.append({"seed": seed, "index_offset": index_offset, "kv": kv, "n": len(prompts),
+                           "budget": kv.budget if kv is not None and kv.enabled else None})
         out = []
         for i, prompt in enumerate(prompts):
             dense = kv is None or not kv.enabled
@@ -158,6 +159,22 @@ def test_a_constructed_gap_fires_the_alarm_at_the_second_probe_once(capsys):
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "rollout 11" in warnings[0] and "raise --kv-budget (now 16)" in warnings[0]
     assert "--kv-budget-schedule drift" in warnings[0]
+
+
+def test_the_adaptive_budget_climbs_on_a_gap_and_warns_only_at_its_top(capsys):
+    engine = CoinEngine(p_dense=0.8, p_comp=0.3)  # every compressed budget loses reward
+    components, records = coin_components(engine)
+    guard = DriftGuard(coin_cfg("--kv-budget-schedule", "drift", "--kv-budget-max", "64"), records, 200)
+    budgets = []
+    for r in range(0, 60, 10):
+        guard.probe(components, r)
+        budgets.append(guard.current_kv.budget)
+    assert budgets == [16, 32, 32, 64, 64, 64]
+    assert {c["budget"] for c in engine.calls if c["kv"].enabled} == {16, 32, 64}  # the rung below is probed too
+    err = capsys.readouterr().err
+    assert "drift guard: rollout 11: --kv-budget 16 -> 32" in err and "rollout 31: --kv-budget 32 -> 64" in err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "rollout 51" in warnings[0] and "raise --kv-budget-max (now 64)" in warnings[0]
 
 
 def test_noise_between_the_arms_raises_no_alarm(capsys):
