@@ -291,7 +291,7 @@ def test_the_guard_leaves_training_as_it_was(assets, tmp_path):
 def test_the_guard_is_off_without_held_out_prompts_and_says_so(assets, tmp_path, capsys):
     assert main(args(assets, tmp_path / "r", 1)) == 0  # no --eval-prompt-data
     err = capsys.readouterr().err
-    assert "warning: the drift guard is off: no held-out prompts" in err
+    assert "warning: no held-out prompts (--eval-prompt-data or --drift-probe-data): the drift guard is off" in err
     assert not any("drift/reward_gap" in r for r in read_metrics(tmp_path / "r"))
 
 

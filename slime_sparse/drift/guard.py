@@ -31,6 +31,7 @@ from slime_sparse.drift.budget import AdaptiveBudget, KVLedger, describe, ladder
 from slime_sparse.drift.stats import ALARM_PROBES, Arm, Streak, compressed_after, probe_metrics, significance
 from slime_sparse.flags import flag_for
 from slime_sparse.kv import KVCompressConfig
+from slime_sparse.kv.schedule import never_compresses
 from slime_sparse.pipeline import assign_rewards, to_samples
 from slime_sparse.preflight import warn
 from slime_sparse.rollout.base import KVView
@@ -197,8 +198,10 @@ class AdaptiveEngine:
 def build_guard(cfg, components) -> DriftGuard | None:
     """The run's drift guard, or None where it is off: rollouts that do not compress, --drift-probe-interval 0, or
     no held-out prompts (then with a warning). Under --kv-budget-schedule drift it wraps the rollout engine."""
-    if not cfg.kv.enabled or cfg.drift.probe_interval == 0:
-        return None
+    longest_prompt = max(len(p.prompt_ids) for p in components.stream.dataset.prompts)
+    if not cfg.kv.enabled or cfg.drift.probe_interval == 0 or \
+            never_compresses(cfg.kv, longest_prompt, cfg.sampling.max_new_tokens) and not cfg.kv.adaptive:
+        return None  # nothing to compare (a budget no rollout reaches has its own start-up warning)
     records, left_out = probe_prompts(cfg, components)
     source = flag_for("drift", "probe_data") if cfg.drift.probe_data else flag_for("eval", "eval_prompt_data")
     if left_out:
@@ -207,12 +210,11 @@ def build_guard(cfg, components) -> DriftGuard | None:
         if cfg.kv.adaptive:
             raise ValueError(f"{flag_for('kv', 'budget_schedule')} drift: the drift guard found {len(records)} "
                              f"held-out probe prompts in {source} (it needs 2)")
-        warn(f"the drift guard is off: no held-out prompts to probe ({flag_for('drift', 'probe_data')} or "
-             f"{flag_for('eval', 'eval_prompt_data')}), so nothing checks that compressed rollouts teach what dense "
-             f"ones would ({flag_for('drift', 'probe_interval')} 0 turns the guard off without this warning)")
+        warn(f"no held-out prompts ({flag_for('eval', 'eval_prompt_data')} or {flag_for('drift', 'probe_data')}): "
+             "the drift guard is off, so nothing checks that compressed rollouts teach what dense ones would "
+             f"({flag_for('drift', 'probe_interval')} 0 turns the guard off without this warning)")
         return None
-    longest = max(len(p.prompt_ids) for p in components.stream.dataset.prompts) + cfg.sampling.max_new_tokens
-    guard = DriftGuard(cfg, records, longest)
+    guard = DriftGuard(cfg, records, longest_prompt + cfg.sampling.max_new_tokens)
     if guard.adaptive is not None:
         components.engine = AdaptiveEngine(components.engine, guard)
     return guard
