@@ -187,3 +187,40 @@ def test_micro_cell_runs_resumes_and_reports(study, tmp_path, monkeypatch, capsy
         assert 0.0 <= parts[mode]["worked"] <= 1.0 and 0.0 <= parts[mode]["full"] <= parts[mode]["total"] + 1e-9
     assert os.path.isfile(tmp_path / "runs" / "quarter" / "warm_start_parts.json")
     assert "| quarter | warm start | 1 | 0 |" in out and "| quarter | sparse_rl | 1 | 2 |" in out
+
+
+def test_mechanism_first_token_coefficients_against_their_formulas(study):
+    """The mechanism probe's c_i = -dLoss/dlog pi(first token), through the project's loss, against the closed forms:
+    A_i / len_i (naive, seq-mean-token-mean, scaled by the batch), A_i / 440 (token-sum), A_i prod xi / len_i
+    (sequence IS), min(prod xi, 2) when truncated; and the push as sum_i c_i (1[worked] - P_p) per prompt."""
+    import random
+
+    import torch
+
+    import long_horizon_mechanism as mech
+    from slime_sparse.algo import AdvantageSpec, compute_advantages
+
+    rng = random.Random(0)
+    rows = []
+    for p in range(3):
+        for _ in range(4):
+            n = rng.choice([3, 10, 40])
+            sparse = [rng.uniform(-2.0, -0.1) for _ in range(n)]
+            old = [x + (0.0 if t == 0 else rng.uniform(-0.5, 0.5)) for t, x in enumerate(sparse)]  # xi = 1 first
+            rows.append({"prompt": p, "response_ids": [rng.choice([5, 9])] * n, "logp_sparse": sparse,
+                         "logp_old": old, "reward": rng.choice([0.0, 0.4, 1.0])})
+    lens = torch.tensor([len(r["response_ids"]) for r in rows], dtype=torch.float32)
+    adv, _ = compute_advantages(torch.tensor([r["reward"] for r in rows]), torch.tensor([r["prompt"] for r in rows]),
+                                lens.long(), AdvantageSpec())
+    seq_w = torch.tensor([sum(o - s for o, s in zip(r["logp_old"], r["logp_sparse"])) for r in rows]).exp()
+    coef = {name: mech.first_token_coefficients(rows, name, sparse=True) for name in mech.ESTIMATORS}
+    assert torch.allclose(coef["naive"], adv / lens, atol=1e-6)
+    assert torch.allclose(coef["SMD"], coef["naive"]) and torch.allclose(coef["paper"], coef["naive"], atol=1e-6)
+    assert torch.allclose(coef["token-sum aggregation"], adv / mech.MAX_LEN, atol=1e-7)
+    assert torch.allclose(coef["seq IS, untruncated"], adv * seq_w / lens, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(coef["seq IS, truncated at 2"], adv * seq_w.clamp(max=2.0) / lens, rtol=1e-4, atol=1e-6)
+    p_worked = torch.tensor([0.5, 0.2, 0.9])
+    mean, lo, hi = mech.push(rows, coef["naive"], p_worked, hash_id=9)
+    worked = torch.tensor([float(r["response_ids"][0] != 9) for r in rows])
+    per = [sum(coef["naive"][i] * (worked[i] - p_worked[p]) for i in range(4 * p, 4 * p + 4)) for p in range(3)]
+    assert mean == pytest.approx(float(sum(per) / 3), abs=1e-6) and lo < mean < hi
