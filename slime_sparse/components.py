@@ -53,12 +53,14 @@ class Components:
             self._eval_engines[mode] = self.engine.with_kv(kv)
         return self._eval_engines[mode]
 
-    def save_checkpoint(self, save_dir: str, step: int, data_state: dict | None = None) -> str:
-        """Checkpoint rollout `step` at the prompt stream's position `data_state` (None: where it is now)."""
+    def save_checkpoint(self, save_dir: str, step: int, data_state: dict | None = None,
+                        extra: dict | None = None) -> str:
+        """Checkpoint rollout `step` at the prompt stream's position `data_state` (None: where it is now); `extra`:
+        more of the loop's state (JSON), kept in trainer_state.json."""
         path = os.path.join(save_dir, f"rollout_{step:06d}")
         # the learner owns its state (Ray: rank 0 writes it); the loop adds the data position
         # the run config too: a resume under other experiment settings is refused (resume.py)
-        extra = {CONFIG_KEY: checkpoint_config(self.cfg)}
+        extra = {CONFIG_KEY: checkpoint_config(self.cfg), **(extra or {})}
         self.learner.save_checkpoint(path, step=step, data_state=data_state or self.stream.state_dict(), extra=extra,
                                      tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last)
         return path

@@ -27,6 +27,7 @@ from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
 from slime_sparse.backends.megatron.config import MegatronConfig  # no megatron-core import
 from slime_sparse.data.prompt_dataset import DataConfig
+from slime_sparse.drift.config import DriftConfig
 from slime_sparse.flags import SECTION_PREFIXES, flag_for
 from slime_sparse.reward import RewardConfig
 from slime_sparse.kv.config import KVCompressConfig
@@ -55,6 +56,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    drift: DriftConfig = field(default_factory=DriftConfig)
 
     @classmethod
     def from_dict(cls, sections: Mapping[str, Mapping[str, Any]], source: str = "config") -> "RunConfig":
@@ -106,6 +108,7 @@ class RunConfig:
             raise ValueError(f"{flag_for('cluster', 'offload_rollout')} with {flag_for('rollout', 'engine')} sglang "
                              f"needs {flag_for('sglang', 'enable_memory_saver')} (the servers release memory through "
                              "it)")
+        self._validate_drift()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -113,6 +116,28 @@ class RunConfig:
                 f"{flag_for('rollout', 'rollout_batch_size')} x {flag_for('rollout', 'n_samples_per_prompt')} = "
                 f"{samples}"
             )
+
+    def _validate_drift(self) -> None:
+        """--kv-budget-schedule drift needs the guard's probes; --kv-budget-max goes with it (and not with SGLang,
+        whose servers can run a request only at their own budget or dense)."""
+        kv, drift, budget_max = self.kv, self.drift, flag_for("drift", "budget_max")
+        if drift.budget_max is not None and not kv.adaptive:
+            raise ValueError(f"{budget_max}={drift.budget_max} needs {flag_for('kv', 'budget_schedule')} drift")
+        if not kv.adaptive:
+            return
+        schedule = f"{flag_for('kv', 'budget_schedule')} drift"
+        if drift.probe_interval == 0:
+            raise ValueError(f"{schedule} moves the budget by the drift guard's probes: "
+                             f"{flag_for('drift', 'probe_interval')} must be > 0")
+        if not (drift.probe_data or self.eval.eval_prompt_data):
+            raise ValueError(f"{schedule} needs held-out probe prompts: {flag_for('drift', 'probe_data')} or "
+                             f"{flag_for('eval', 'eval_prompt_data')}")
+        if drift.budget_max is not None and drift.budget_max <= kv.budget:
+            raise ValueError(f"{budget_max}={drift.budget_max} must exceed {flag_for('kv', 'budget')}={kv.budget}")
+        if drift.budget_max is not None and self.rollout.engine == "sglang":
+            raise ValueError(f"{budget_max} with {flag_for('rollout', 'engine')} sglang: a server keeps the budget it "
+                             "started with and a request can only opt out of it, so the budget moves between "
+                             f"{flag_for('kv', 'budget')} and dense; leave {budget_max} unset")
 
     @property
     def offloads_rollout(self) -> bool:

@@ -29,6 +29,7 @@ SECTION_PREFIXES: dict[str, str] = {
     "cluster": "",
     "sglang": "sglang-",
     "megatron": "",
+    "drift": "drift-",
 }
 
 # fields that no flag sets (filled from --hf-checkpoint, or by the `--sglang-*` pass-through)
@@ -62,6 +63,7 @@ FLAG_ALIASES: dict[str, str] = {
     "cluster.ray_timeout_s": "--ray-timeout",
     "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)
     "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
+    "drift.budget_max": "--kv-budget-max",  # the drift guard's, beside --kv-budget
 }
 
 DISABLE_PREFIX = "--disable-"  # a bool field with such a flag: the flag turns it off (slime's store_false)

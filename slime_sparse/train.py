@@ -22,6 +22,7 @@ from slime_sparse.backends.metrics import mean_over_steps
 from slime_sparse.components import Components, build_components
 from slime_sparse.config import LogConfig, RunConfig
 from slime_sparse.config_loader import load_config, save_config
+from slime_sparse.drift.guard import STATE_KEY as DRIFT_KEY, DriftGuard, build_guard
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.flags import flag_for
 from slime_sparse.pipeline import PreparedRollout, prepare_rollout, response_metrics, split_steps
@@ -124,8 +125,10 @@ class Run:
     """What the loop keeps of a run besides its components: the metrics log, the summary, and the last finished
     rollout (its data position, whether it is saved) for a stop to save."""
 
-    def __init__(self, cfg: RunConfig, start: int, resumed_from: str | None) -> None:
+    def __init__(self, cfg: RunConfig, start: int, resumed_from: str | None, guard: DriftGuard | None = None) -> None:
         self.cfg, self.start = cfg, start
+        self.guard = guard  # the drift guard (None: off); its state as of the last finished rollout goes in checkpoints
+        self.guard_state = guard.state_dict() if guard is not None else None
         self.log = MetricsLogger(cfg.log.run_dir, use_tensorboard=cfg.log.use_tensorboard,
                                  wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                  start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
@@ -154,9 +157,12 @@ class Run:
             self.summary["first"] = metrics
         self.summary["last"], self.summary["last_rollout"] = metrics, step
         self.data_state = data_state
+        if self.guard is not None:
+            self.guard_state, self.summary["drift"] = self.guard.state_dict(), self.guard.summary()
 
     def save(self, components: Components, step: int, data_state: dict | None = None) -> None:
-        self.saved = (step, components.save_checkpoint(save_dir(self.cfg), step, data_state=data_state))
+        extra = {DRIFT_KEY: self.guard_state} if self.guard_state is not None else None
+        self.saved = (step, components.save_checkpoint(save_dir(self.cfg), step, data_state=data_state, extra=extra))
 
     def save_on_stop(self, components: Components, signame: str) -> None:
         """Save the last finished rollout unless it is saved, and say what a rerun does."""
@@ -207,10 +213,11 @@ def train(cfg: RunConfig, stop: Stop | None = None) -> dict:
               f"{checkpoints}", file=sys.stderr, flush=True)
         for line in start_warnings(cfg, max(len(p.prompt_ids) for p in components.stream.dataset.prompts)):
             warn(line)
+        guard = start_guard(cfg, components, resumed_from)
         tidy_save_dir(checkpoints, cfg.train.keep_last)
         os.makedirs(cfg.log.run_dir, exist_ok=True)
         save_config(cfg, os.path.join(cfg.log.run_dir, "config.yaml"))
-        run = Run(cfg, start, resumed_from)
+        run = Run(cfg, start, resumed_from, guard)
         try:
             loop(cfg, components, run, stop)
         except KeyboardInterrupt as exc:  # SIGINT / SIGTERM: save the last finished rollout, stop the workers
@@ -234,9 +241,15 @@ def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
     progress = components.progress(range(run.start, cfg.train.num_rollout), desc="rollouts", initial=run.start)
     for rollout_id in progress:
         step = rollout_id + 1
+        guard = run.guard  # the drift probe runs before the rollout, on the weights that generate it
+        drift = guard.probe(components, rollout_id) if guard is not None and guard.due(rollout_id) else {}
         prepared, metrics = run_rollout(cfg, components, rollout_id)  # a stop here saves the last finished one
+        metrics.update(drift)
         with stop.deferred():  # from the first optimizer step to the metrics line, a stop waits
-            run.finished(step, train_rollout(cfg, components, prepared, metrics), components.stream.state_dict())
+            metrics = train_rollout(cfg, components, prepared, metrics)
+            if guard is not None:
+                metrics.update(guard.account(metrics))
+            run.finished(step, metrics, components.stream.state_dict())
         progress.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
                              kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                              rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",
@@ -250,6 +263,18 @@ def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
             with stop.deferred():
                 run.save(components, step)
     run.summary["status"] = "complete"
+
+
+def start_guard(cfg: RunConfig, components: Components, resumed_from: str | None) -> DriftGuard | None:
+    """The run's drift guard (None: off), continuing from the checkpoint a run resumed from."""
+    try:
+        guard = build_guard(cfg, components)
+        state = read_trainer_state(resumed_from)["extra"].get(DRIFT_KEY) if resumed_from and guard else None
+        if state is not None:
+            guard.load_state_dict(state)
+    except ValueError as exc:
+        raise StartupError(f"drift guard: {exc}") from exc
+    return guard
 
 
 def read_summary(run_dir: str) -> dict:

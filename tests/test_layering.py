@@ -52,6 +52,8 @@ def test_no_rollout_engine_imports_the_orchestrator():
     ("slime_sparse/kv", ("slime_sparse.kv",)),
     ("sglang_patches", ("sglang_patches", "slime_sparse.kv")),
     ("slime_sparse/utils/weight_sync.py", ()),
+    ("slime_sparse/drift/stats.py", ()),  # the drift guard's statistics and budget rule: pure, read alone
+    ("slime_sparse/drift/budget.py", ("slime_sparse.drift.stats",)),
 ])
 def test_lower_layers_import_only_below(folder, allowed):
     paths = [ROOT / folder] if folder.endswith(".py") else modules(folder)

@@ -68,7 +68,7 @@ def test_plot_metrics_writes_pngs_and_reports_missing_keys(tmp_path):
 
     # default keys the run did not log
     assert result.missing_keys == [EVAL_ACCURACY_KEY, "mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3",
-                                   "mismatch/xi_p5",
+                                   "mismatch/xi_p5", "drift/reward_gap",
                                    "correction/is_ess", "rollout/effective_batch_size",
                                    "rollout/gen_tokens_per_train_token"]
     names = [os.path.basename(f) for f in result.files]

@@ -112,8 +112,42 @@ def test_recipe_flags_are_valid_for_every_variant(study, tmp_path):
                            *lh.RECIPE, *run.VARIANTS[variant], "--kv-budget", str(lh.BUDGETS["quarter"])])
         assert cfg.train.num_rollout >= 150 and cfg.kv.budget == lh.BUDGETS["quarter"]
         assert cfg.kv.method == ("none" if variant == "dense" else "rkv")
-    assert lh.cells(["dense", "smd"], ["quarter"], [1, 2]) == [
-        ("dense", "quarter", 1), ("smd", "quarter", 1), ("dense", "quarter", 2), ("smd", "quarter", 2)]
+    assert lh.cells(["dense", "smd"], ["quarter"], [1, 2], [0]) == [
+        ("dense", "quarter", 1, 0), ("smd", "quarter", 1, 0), ("dense", "quarter", 2, 0), ("smd", "quarter", 2, 0)]
+    assert lh.cells(["dense"], ["quarter"], [1], [0, 7]) == [("dense", "quarter", 1, 0), ("dense", "quarter", 1, 7)]
+    assert lh.cell_dir("o", "dense", "quarter", 1, 7) == os.path.join("o", "assets7", "quarter", "dense-seed1")
+    assert lh.parse_label(lh.label("quarter", 7)) == ("quarter", 7) and lh.label("half", 0) == "half"
+    drift = load_config(["--hf-checkpoint", str(tmp_path), "--prompt-data", str(tmp_path / "x.jsonl"), *lh.RECIPE,
+                         *lh.ALL_VARIANTS["sparse_rl_drift"], "--eval-prompt-data", str(tmp_path / "x.jsonl")])
+    assert drift.kv.adaptive and drift.correction.preset == "mis"
+    seeded = lh.assets_config(7)
+    assert seeded.seed == seeded.warm_start.seed == 7 and lh.assets_config(0) == lh.ASSETS
+
+
+def test_drift_tables_from_a_fixture(study, tmp_path):
+    """The guard's first alarm, the separation of dense's and naive's intervals, and the adaptive row."""
+    lh, rep = study
+    import long_horizon_drift as drift
+
+    evals_dense = {0: {"dense": 0.01}, 10: {"dense": 0.05}, 20: {"dense": 0.30}}
+    evals_naive = {0: {"dense": 0.01}, 10: {"dense": 0.03}, 20: {"dense": 0.02}}
+    _write_run(tmp_path / "quarter" / "dense-seed1", [0.5] * 20, evals=evals_dense, n_prompts=128)
+    _write_run(tmp_path / "quarter" / "naive_sparse-seed1", [0.5] * 20, evals=evals_naive, n_prompts=128)
+    path = tmp_path / "quarter" / "naive_sparse-seed1" / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    for r in rows:  # probes before rollouts 1 and 11: the second one completes the alarm
+        if r["step"] in (1, 11) and "rollout/reward_mean" in r:
+            r.update({"drift/reward_gap": 0.1, "drift/reward_gap_se": 0.02, "drift/compressed_frac": 0.5,
+                      "drift/answer_agreement": 0.3, "drift/alarm": float(r["step"] == 11),
+                      "perf/drift_probe_s": 36.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = {("quarter", v): [rep.load_run(str(tmp_path / "quarter" / f"{v}-seed1"))] for v in ("dense", "naive_sparse")}
+    assert drift.separation(runs[("quarter", "dense")][0], runs[("quarter", "naive_sparse")][0]) == 20
+    assert drift.first_alarm(runs[("quarter", "naive_sparse")][0]) == 11
+    sep = drift.separation_table(runs).splitlines()[2]
+    assert sep == "| quarter | 1 | 20 | 0.300 / 0.020 | 10 | +10 |"
+    guard = drift.guard_table(runs).splitlines()[2]
+    assert guard.startswith("| quarter | naive_sparse | 1 | 2 | 11 | 1 | +0.100 ± 0.020 |") and "| 1.0 % |" in guard
 
 
 @pytest.mark.timeout(900)
@@ -153,3 +187,40 @@ def test_micro_cell_runs_resumes_and_reports(study, tmp_path, monkeypatch, capsy
         assert 0.0 <= parts[mode]["worked"] <= 1.0 and 0.0 <= parts[mode]["full"] <= parts[mode]["total"] + 1e-9
     assert os.path.isfile(tmp_path / "runs" / "quarter" / "warm_start_parts.json")
     assert "| quarter | warm start | 1 | 0 |" in out and "| quarter | sparse_rl | 1 | 2 |" in out
+
+
+def test_mechanism_first_token_coefficients_against_their_formulas(study):
+    """The mechanism probe's c_i = -dLoss/dlog pi(first token), through the project's loss, against the closed forms:
+    A_i / len_i (naive, seq-mean-token-mean, scaled by the batch), A_i / 440 (token-sum), A_i prod xi / len_i
+    (sequence IS), min(prod xi, 2) when truncated; and the push as sum_i c_i (1[worked] - P_p) per prompt."""
+    import random
+
+    import torch
+
+    import long_horizon_mechanism as mech
+    from slime_sparse.algo import AdvantageSpec, compute_advantages
+
+    rng = random.Random(0)
+    rows = []
+    for p in range(3):
+        for _ in range(4):
+            n = rng.choice([3, 10, 40])
+            sparse = [rng.uniform(-2.0, -0.1) for _ in range(n)]
+            old = [x + (0.0 if t == 0 else rng.uniform(-0.5, 0.5)) for t, x in enumerate(sparse)]  # xi = 1 first
+            rows.append({"prompt": p, "response_ids": [rng.choice([5, 9])] * n, "logp_sparse": sparse,
+                         "logp_old": old, "reward": rng.choice([0.0, 0.4, 1.0])})
+    lens = torch.tensor([len(r["response_ids"]) for r in rows], dtype=torch.float32)
+    adv, _ = compute_advantages(torch.tensor([r["reward"] for r in rows]), torch.tensor([r["prompt"] for r in rows]),
+                                lens.long(), AdvantageSpec())
+    seq_w = torch.tensor([sum(o - s for o, s in zip(r["logp_old"], r["logp_sparse"])) for r in rows]).exp()
+    coef = {name: mech.first_token_coefficients(rows, name, sparse=True) for name in mech.ESTIMATORS}
+    assert torch.allclose(coef["naive"], adv / lens, atol=1e-6)
+    assert torch.allclose(coef["SMD"], coef["naive"]) and torch.allclose(coef["paper"], coef["naive"], atol=1e-6)
+    assert torch.allclose(coef["token-sum aggregation"], adv / mech.MAX_LEN, atol=1e-7)
+    assert torch.allclose(coef["seq IS, untruncated"], adv * seq_w / lens, rtol=1e-4, atol=1e-6)
+    assert torch.allclose(coef["seq IS, truncated at 2"], adv * seq_w.clamp(max=2.0) / lens, rtol=1e-4, atol=1e-6)
+    p_worked = torch.tensor([0.5, 0.2, 0.9])
+    mean, lo, hi = mech.push(rows, coef["naive"], p_worked, hash_id=9)
+    worked = torch.tensor([float(r["response_ids"][0] != 9) for r in rows])
+    per = [sum(coef["naive"][i] * (worked[i] - p_worked[p]) for i in range(4 * p, 4 * p + 4)) for p in range(3)]
+    assert mean == pytest.approx(float(sum(per) / 3), abs=1e-6) and lo < mean < hi

@@ -2,27 +2,33 @@
 
     python examples/tiny_cpu/long_horizon.py cell --variant naive_sparse --budget quarter --seed 1   # one cell
     python examples/tiny_cpu/long_horizon.py grid --jobs 1         # every cell, one after another
-    python examples/tiny_cpu/long_horizon.py report                # the table and the plot from what has run
+    python examples/tiny_cpu/long_horizon.py report                # the tables and the plot from what has run
     python examples/tiny_cpu/long_horizon.py parts                 # + each cell's latest model's answers, by part
+    python examples/tiny_cpu/long_horizon.py grid --assets-seeds 1 2 3 --variants dense naive_sparse --seeds 1
+                                                                   # other data + warm starts (one each per seed)
 
-The task (slime_sparse/tasks/long_recall.py): four keys in the prompt, a worked countdown of 318-396 tokens, then
-the keys again and the total; a bare answer restates the keys at once and guesses the total. The warm start
+The task (slime_sparse/tasks/long_recall.py): four keys in the prompt, a worked countdown of 312-390 tokens, then
+the total and the keys again; a bare answer restates the keys at once and guesses the total. The warm start
 imitates both, so GRPO has a choice to learn; the keys sit ~350 tokens behind the end of a worked answer, where
-an R-KV cache of 1/4 or 1/2 of the answer drops what nothing attended to. The reward gives partial credit (half
-for the total, half for the keys).
+an R-KV cache of 1/4 or 1/2 of the answer drops what nothing attended to. The reward gives partial credit
+(0.4 for the total, 0.6 x the fraction of the keys right).
 
-A cell is one (variant, budget, seed): an ordinary run directory `<out>/<budget>/<variant>-seed<seed>` (rerunning
-its command resumes from the last checkpoint; a finished cell does nothing), with the CPU and wall time of each
-invocation appended to `cell_time.jsonl`. `grid` runs the cells that are not complete, seed-major (a grid cut
-short has every variant on its first seeds), each in its own process with one torch thread; `report` reads
-every cell that has metrics (finished or not) and prints one table (`long_horizon_report.py`) and one PNG;
-`parts` first writes parts.json into each cell: its latest model's greedy answers, dense and under its budget's
-R-KV, split into worked or bare, total right and keys right (what the compressed cache changes at the end).
-The dense variant trains on dense rollouts, so its budget only sets its sparse evaluation.
+A cell is one (variant, budget, seed, assets seed): an ordinary run directory `<out>/<budget>/<variant>-seed<seed>`
+(`<out>/assets<S>/<budget>/...` for the data and warm start of assets seed S != 0; rerunning its command resumes
+from the last checkpoint; a finished cell does nothing), with the CPU and wall time of each invocation appended to
+`cell_time.jsonl`. Every sparse cell runs the drift guard (on by default: it probes 16 held-out prompts x 4 samples
+densely and under the cell's R-KV every 10 rollouts); `sparse_rl_drift` is `mis` with the budget that adapts
+(--kv-budget-schedule drift). `grid` runs the cells that are not complete, seed-major (a grid cut short has every
+variant on its first seeds), each in its own process with one torch thread; `report` reads every cell that has
+metrics (finished or not) and prints the tables (`long_horizon_report.py`) and one PNG; `parts` first writes
+parts.json into each cell: its latest model's greedy answers, dense and under its budget's R-KV, split into worked
+or bare, total right and keys right (what the compressed cache changes at the end). The dense variant trains on
+dense rollouts, so its budget only sets its sparse evaluation.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,6 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import long_horizon_drift as drift  # noqa: E402  (the drift guard's tables)
 import long_horizon_report as report  # noqa: E402  (aggregation, table, plot)
 import run  # noqa: E402  (the variants' flags)
 
@@ -44,44 +51,56 @@ from slime_sparse.tasks.warm_start import WarmStartConfig  # noqa: E402
 ASSETS = AssetsConfig(task=LongRecallConfig(), warm_start=WarmStartConfig(steps=2500, batch_size=16),
                       direct_answer_frac=0.5, n_train=20000, n_test=256)
 MEAN_ANSWER = 351  # tokens of a worked answer, mean over the task's range (312-390)
-# R-KV budget B (+ buffer 16, window 8): the issue's 1/4 and 1/2 of the answer, and 1/8, where a worked answer
-# written under the cache loses most of its total and keys (the probe added once 1/4 showed no reversal)
-BUDGETS = {"eighth": MEAN_ANSWER // 8, "quarter": MEAN_ANSWER // 4, "half": MEAN_ANSWER // 2}
+# R-KV budget B (+ buffer 16, window 8): 1/4 and 1/2 of the answer
+BUDGETS = {"quarter": MEAN_ANSWER // 4, "half": MEAN_ANSWER // 2}
 VARIANTS = ["dense", "naive_sparse", "sparse_rl", "sparse_rl_paper", "smd"]  # rows of run.VARIANTS
 SEEDS = [1, 2, 3]
+# the study's own rows besides run.VARIANTS': `mis` with the budget the drift guard adapts (#44)
+STUDY_VARIANTS = {"sparse_rl_drift": [*run.VARIANTS["sparse_rl"], "--kv-budget-schedule", "drift"]}
+ALL_VARIANTS = {**run.VARIANTS, **STUDY_VARIANTS}
+
+
+def assets_config(seed: int) -> AssetsConfig:
+    """The study's assets with data, initial weights and warm start all from `seed` (0: the study's default)."""
+    if seed == 0:
+        return ASSETS
+    return dataclasses.replace(ASSETS, seed=seed, warm_start=dataclasses.replace(ASSETS.warm_start, seed=seed))
+
 
 # 8 prompts x 4 samples per rollout, 2 optimizer steps; evaluation (greedy, 128 held-out prompts, dense and
-# under the run's R-KV) every 25 rollouts; the mismatch split into its sparsity and numeric parts every 10.
+# under the run's R-KV) every 10 rollouts, on the weights the drift guard probes next (before rollouts 11, 21,
+# ...); the mismatch split into its sparsity and numeric parts every 10.
 RECIPE = [
     "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
     "--rollout-max-response-len", "440", "--rollout-temperature", "1.0", "--rollout-max-batch-size", "64",
     "--kv-buffer", "16", "--kv-window", "8",
     "--lr", "3e-5", "--weight-decay", "0.0", "--adam-beta2", "0.98", "--clip-grad", "1.0",
     "--eps-clip", "0.2", "--use-kl-loss", "--kl-loss-coef", "1e-4", "--kl-loss-type", "k3",
-    "--num-rollout", "150", "--eval-interval", "25", "--save-interval", "5", "--mismatch-metrics-interval", "10",
+    "--num-rollout", "150", "--eval-interval", "10", "--save-interval", "5", "--mismatch-metrics-interval", "10",
     "--n-samples-per-eval-prompt", "1", "--eval-max-prompts", "128", "--rm-num-workers", "0",
     "--custom-rm-path", "slime_sparse.tasks.long_recall:task_reward", "--no-progress-bar", "--no-use-tensorboard",
 ]
 
 
-def cell_dir(out: str, variant: str, budget: str, seed: int) -> str:
-    return os.path.join(out, budget, f"{variant}-seed{seed}")
+def cell_dir(out: str, variant: str, budget: str, seed: int, assets_seed: int = 0) -> str:
+    return os.path.join(out, *([f"assets{assets_seed}"] if assets_seed else []), budget, f"{variant}-seed{seed}")
 
 
-def run_cell(variant: str, budget: str, seed: int, out: str, cache_dir: str, extra: list[str]) -> int:
+def run_cell(variant: str, budget: str, seed: int, out: str, cache_dir: str, extra: list[str],
+             assets_seed: int = 0) -> int:
     """Train (or resume) one cell in this process; its CPU and wall time go to <run dir>/cell_time.jsonl."""
     import torch
 
     from slime_sparse.train import main as train_main
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # one thread unless told otherwise
-    run_dir = cell_dir(out, variant, budget, seed)
+    run_dir = cell_dir(out, variant, budget, seed, assets_seed)
     t0, c0 = time.perf_counter(), time.process_time()
-    assets = build_assets(cache_dir, ASSETS)
+    assets = build_assets(cache_dir, assets_config(assets_seed))
     start = report.last_step(run_dir)
     rc = train_main([
         "--hf-checkpoint", str(assets.model_dir), "--prompt-data", str(assets.train_path),
-        "--eval-prompt-data", str(assets.test_path), "--run-dir", run_dir, *RECIPE, *run.VARIANTS[variant],
+        "--eval-prompt-data", str(assets.test_path), "--run-dir", run_dir, *RECIPE, *ALL_VARIANTS[variant],
         "--kv-budget", str(BUDGETS[budget]), "--seed", str(seed), *extra,
     ])
     os.makedirs(run_dir, exist_ok=True)
@@ -120,11 +139,12 @@ def answer_parts(model_dir: str, test_path: str, kv_flags: list[str], n_prompts:
 
 def write_parts(run_dirs: dict[tuple[str, str], list[str]], cache_dir: str) -> None:
     """parts.json in every cell with a checkpoint: its latest model's answer parts, dense and under its budget's
-    R-KV; <out>/<budget>/warm_start_parts.json: the warm start's."""
+    R-KV; <out>/[assets<S>/]<budget>/warm_start_parts.json: the warm start's."""
     from slime_sparse.utils.checkpoint import latest_checkpoint
 
-    assets = build_assets(cache_dir, ASSETS)
-    for (budget, _), dirs in run_dirs.items():
+    for (label, _), dirs in run_dirs.items():
+        budget, assets_seed = parse_label(label)
+        assets = build_assets(cache_dir, assets_config(assets_seed))
         sparse = ["--kv-method", "rkv", "--kv-budget", str(BUDGETS[budget])]
         targets = [(os.path.join(os.path.dirname(dirs[0]), "warm_start_parts.json"), str(assets.model_dir), 0)]
         for d in dirs:
@@ -142,26 +162,41 @@ def write_parts(run_dirs: dict[tuple[str, str], list[str]], cache_dir: str) -> N
             print(f"{path}: rollout {step}", flush=True)
 
 
-def cells(variants: list[str], budgets: list[str], seeds: list[int]) -> list[tuple[str, str, int]]:
+def label(budget: str, assets_seed: int) -> str:
+    """A table row's budget column: the budget, and the assets seed when it is not the study's default."""
+    return budget if not assets_seed else f"{budget} assets{assets_seed}"
+
+
+def parse_label(text: str) -> tuple[str, int]:
+    budget, _, assets = text.partition(" assets")
+    return budget, int(assets or 0)
+
+
+Cell = tuple[str, str, int, int]  # variant, budget, seed, assets seed
+
+
+def cells(variants: list[str], budgets: list[str], seeds: list[int], assets_seeds: list[int]) -> list[Cell]:
     """Seed-major order: a grid cut short has every (budget, variant) on its first seeds."""
-    return [(v, b, s) for s in seeds for b in budgets for v in variants]
+    return [(v, b, s, a) for a in assets_seeds for s in seeds for b in budgets for v in variants]
 
 
-def run_grid(todo: list[tuple[str, str, int]], args, extra: list[str]) -> list[str]:
+def run_grid(todo: list[Cell], args, extra: list[str]) -> list[str]:
     """Each cell in a child process with one thread (its output in <run dir>.log); returns the failed ones."""
-    def one(cell: tuple[str, str, int]) -> int:
-        variant, budget, seed = cell
-        run_dir = cell_dir(args.out, variant, budget, seed)
+    def one(cell: Cell) -> int:
+        variant, budget, seed, assets_seed = cell
+        run_dir = cell_dir(args.out, *cell)
         os.makedirs(os.path.dirname(run_dir), exist_ok=True)
         cmd = [sys.executable, os.path.abspath(__file__), "cell", "--variant", variant, "--budget", budget,
-               "--seed", str(seed), "--out", args.out, "--cache-dir", args.cache_dir, "--", *extra]
+               "--seed", str(seed), "--assets-seeds", str(assets_seed), "--out", args.out, "--cache-dir",
+               args.cache_dir, "--", *extra]
         with open(run_dir + ".log", "a", encoding="utf-8") as log:
             print(f"start {run_dir}", flush=True)
             rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
             print(f"end {run_dir}: rc {rc}", flush=True)
             return rc
 
-    build_assets(args.cache_dir, ASSETS)  # once, before the cells share it
+    for assets_seed in dict.fromkeys(c[3] for c in todo):  # once each, before the cells share them
+        build_assets(args.cache_dir, assets_config(assets_seed))
     with ThreadPoolExecutor(max_workers=args.jobs) as pool:
         codes = list(pool.map(one, todo))
     return [cell_dir(args.out, *c) for c, rc in zip(todo, codes) if rc]
@@ -173,12 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = argv[: argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["cell", "grid", "parts", "report"])
-    parser.add_argument("--variant", choices=list(run.VARIANTS), help="cell: the variant (any row of run.py's)")
+    parser.add_argument("--variant", choices=list(ALL_VARIANTS), help="cell: the variant (a row of run.py's or "
+                        "STUDY_VARIANTS)")
     parser.add_argument("--budget", choices=list(BUDGETS), help="cell: the R-KV budget")
     parser.add_argument("--seed", type=int, help="cell: the seed")
-    parser.add_argument("--variants", nargs="+", choices=list(run.VARIANTS), default=VARIANTS)
+    parser.add_argument("--variants", nargs="+", choices=list(ALL_VARIANTS), default=VARIANTS)
     parser.add_argument("--budgets", nargs="+", choices=list(BUDGETS), default=["quarter", "half"])
     parser.add_argument("--seeds", nargs="+", type=int, default=SEEDS)
+    parser.add_argument("--assets-seeds", nargs="+", type=int, default=[0], help=(
+        "data + initial weights + warm start seeds (0: the study's; cell: the first one)"))
     parser.add_argument("--jobs", type=int, default=1, choices=[1, 2], help="grid: cells at once")
     parser.add_argument("--out", default="runs/long_horizon")
     parser.add_argument("--cache-dir", default=".cache/tiny_assets")
@@ -189,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         missing = [f"--{k}" for k in ("variant", "budget", "seed") if getattr(args, k) is None]
         if missing:
             parser.error(f"cell needs {' '.join(missing)}")
-        return run_cell(args.variant, args.budget, args.seed, args.out, args.cache_dir, extra)
-    grid = cells(args.variants, args.budgets, args.seeds)
+        return run_cell(args.variant, args.budget, args.seed, args.out, args.cache_dir, extra, args.assets_seeds[0])
+    grid = cells(args.variants, args.budgets, args.seeds, args.assets_seeds)
     if args.command == "grid":
         flags = [*RECIPE, *extra]
         target = int(flags[len(flags) - 1 - flags[::-1].index("--num-rollout") + 1])  # the last one wins
@@ -200,17 +238,19 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             print(f"failed cells (see their .log): {', '.join(failed)}", file=sys.stderr)
             return 1
-    dirs = {(b, v): [d for s in args.seeds if os.path.isfile(os.path.join(d := cell_dir(args.out, v, b, s),
-                                                                           "metrics.jsonl"))]
-            for b in args.budgets for v in args.variants}
-    dirs = {k: ds for k, ds in dirs.items() if ds}
+    dirs: dict[tuple[str, str], list[str]] = {}
+    for variant, budget, seed, assets_seed in grid:
+        d = cell_dir(args.out, variant, budget, seed, assets_seed)
+        if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            dirs.setdefault((label(budget, assets_seed), variant), []).append(d)
     if not dirs:
         print(f"no cell has metrics under {args.out}", file=sys.stderr)
         return 1
     if args.command == "parts":
         write_parts(dirs, args.cache_dir)
     runs = {k: [report.load_run(d) for d in ds] for k, ds in dirs.items()}
-    print(report.study_table(runs, BUDGETS))
+    budgets = {key: BUDGETS[parse_label(key)[0]] for key, _ in runs}
+    print(report.study_table(runs, budgets))
     print()
     print(report.events_table(runs))
     print()
@@ -219,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     if parts:
         print()
         print(parts)
-    plot = report.plot_study(runs, BUDGETS, args.plot or os.path.join(args.out, "long_horizon.png"))
+    for table in (drift.guard_table(runs), drift.separation_table(runs), drift.adaptive_table(runs)):
+        if table:
+            print()
+            print(table)
+    plot = report.plot_study(runs, budgets, args.plot or os.path.join(args.out, "long_horizon.png"))
     print(f"\nplot: {plot}")
     return 0
 

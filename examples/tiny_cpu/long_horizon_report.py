@@ -209,7 +209,8 @@ def parts_table(runs: dict[tuple[str, str], list[Run]], out: str) -> str:
     rows = {}
     for (budget, variant), rs in runs.items():
         paths = [os.path.join(r.path, "parts.json") for r in rs]
-        warm = os.path.join(out, budget, "warm_start_parts.json")
+        base, _, assets = budget.partition(" assets")  # long_horizon.label: "quarter assets7" -> assets7/quarter
+        warm = os.path.join(out, *([f"assets{assets}"] if assets else []), base, "warm_start_parts.json")
         if os.path.isfile(warm):
             rows.setdefault((budget, "warm start"), [warm])
         rows[(budget, variant)] = [p for p in paths if os.path.isfile(p)]

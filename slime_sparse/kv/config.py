@@ -24,7 +24,9 @@ class NoCompression(KVMethod):
 TRAITS: dict[str, type[KVMethod]] = {"none": NoCompression, **REGISTRY}  # what each method needs (methods/base.py)
 METHODS = tuple(TRAITS)
 GRANULARITIES = ("head", "layer", "model")  # per KV head and layer / one set per layer / one set for all layers
-SCHEDULES = ("uniform", "pyramid", "explicit")  # how the budget is spread over layers (budgets.py)
+# how the budget is spread over layers (budgets.py); drift: uniform over layers, and over the run the drift guard
+# moves --kv-budget (slime_sparse/drift/budget.py)
+SCHEDULES = ("uniform", "pyramid", "explicit", "drift")
 
 
 def method_knob(name: str):
@@ -56,7 +58,9 @@ class KVCompressConfig(FromPreset):
         "model: one set for all layers")})
     budget_schedule: str | None = field(default=None, metadata={"help": (
         "uniform: every layer keeps --kv-budget | pyramid: PyramidKV's budgets, shrinking with depth, mean "
-        "--kv-budget | explicit: --kv-layer-budgets; unset: the method's (pyramidkv: pyramid, others uniform)")})
+        "--kv-budget | explicit: --kv-layer-budgets | drift: uniform, and the run's drift guard raises the budget (x2, up to "
+        "--kv-budget-max or dense) when compressed rollouts earn significantly less than dense ones, and lowers it "
+        "again when the budget below shows no gap; unset: the method's (pyramidkv: pyramid, others uniform)")})
     layer_budgets: tuple[int, ...] = field(default=(), metadata={"help": (
         "one budget per layer, first layer first (needs --kv-budget-schedule explicit; --kv-budget is then "
         "unused)")})
@@ -93,8 +97,16 @@ class KVCompressConfig(FromPreset):
 
     @property
     def schedule(self) -> str:
-        """The budget schedule in force: --kv-budget-schedule, else the method's."""
+        """How the budget is spread over layers: --kv-budget-schedule, else the method's (drift: uniform; what moves
+        is the budget itself, between rollouts)."""
+        if self.budget_schedule == "drift":
+            return "uniform"
         return self.budget_schedule if self.budget_schedule is not None else self.traits.default_schedule
+
+    @property
+    def adaptive(self) -> bool:
+        """--kv-budget-schedule drift: the run's drift guard moves --kv-budget (slime_sparse/drift)."""
+        return self.budget_schedule == "drift"
 
     @property
     def protected_window(self) -> int:
@@ -145,6 +157,8 @@ class KVCompressConfig(FromPreset):
             cls.from_config(self)
         if self.schedule not in SCHEDULES:
             bad("budget-schedule", self.schedule, f"choose one of {SCHEDULES}")
+        if self.adaptive and not self.enabled:
+            bad("budget-schedule", self.budget_schedule, "adapts the budget of a compressing --kv-method, not of none")
         if (self.schedule == "explicit") != bool(self.layer_budgets):
             bad("layer-budgets", self.layer_budgets, "is set exactly when --kv-budget-schedule is explicit")
         if self.enabled and self.granularity == "model" and self.schedule != "uniform":

@@ -18,11 +18,11 @@ EVAL_ACCURACY_KEY = "eval/pass@1"
 _EVAL_KEY = re.compile(r"^eval_([^/]+)/(?:(.+)/)?pass@1$")
 # Evaluation accuracy (the headline), reward, KV savings, sequence rejection rate, sampler/learner mismatch (k3 KL)
 # and its sparsity / numeric parts, the tail statistics the peers alarm on (Sparrow's p5 of pi_old / pi_sparse, verl's
-# IS effective sample size), samples that carry a gradient, and what dynamic sampling costs (tokens generated per
-# token trained; 1 without it).
+# IS effective sample size), the drift guard's reward gap (dense minus compressed answers of held-out prompts),
+# samples that carry a gradient, and what dynamic sampling costs (tokens generated per token trained; 1 without it).
 DEFAULT_PLOT_KEYS = (EVAL_ACCURACY_KEY, "rollout/reward_mean", "kv/savings", "correction/seq_reject_rate",
                      "mismatch/k3", "mismatch/sparsity/k3", "mismatch/numeric/k3", "mismatch/xi_p5",
-                     "correction/is_ess", "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
+                     "drift/reward_gap", "correction/is_ess", "rollout/effective_batch_size", "rollout/gen_tokens_per_train_token")
 SUMMARY_FILE = "summary.png"
 
 Series = tuple[str, list[int], list[float]]  # (label, steps, values)
