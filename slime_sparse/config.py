@@ -70,13 +70,15 @@ class RunConfig:
         - Dr.GRPO's constant normaliser (`--loss-agg-mode seq-mean-token-sum-norm` without a norm_len): the
           generation budget, --rollout-max-response-len;
         - no --lr-decay-iters: every optimizer step of the run, --num-rollout x steps per rollout (slime's rule);
-        - --advantage-estimator gspo: the loss's PPO ratio is one per sequence (`LossConfig.ratio_level`).
+        - --advantage-estimator gspo: the loss's PPO ratio is one per sequence (`LossConfig.ratio_level`);
+          cispo: the loss is CISPO's (`LossConfig.policy_loss_mode`).
         (What comes from the model directory, the stop ids, is filled at start-up: slime_sparse.startup.)"""
         loss, train = self.loss, self.train
         if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_len is None:
             loss = dataclasses.replace(loss, norm_len=self.sampling.max_new_tokens)
         if self.rollout.advantage_spec.sequence_ratio:
             loss = dataclasses.replace(loss, ratio_level="sequence")
+        loss = dataclasses.replace(loss, policy_loss_mode=self.rollout.advantage_spec.policy_loss_mode)
         if train.lr_decay_iters is None and train.global_batch_size > 0:  # (a bad batch size: validate says so)
             train = dataclasses.replace(train, lr_decay_iters=train.num_rollout * self.steps_per_rollout)
         return dataclasses.replace(self, loss=loss, train=train)

@@ -32,7 +32,8 @@ SECTION_PREFIXES: dict[str, str] = {
 }
 
 # fields that no flag sets (filled from --hf-checkpoint, or by the `--sglang-*` pass-through)
-NO_FLAG = {"sglang.model_path", "sglang.extra_args", "loss.ratio_level"}  # ratio_level: --advantage-estimator
+# ratio_level, policy_loss_mode: set by --advantage-estimator
+NO_FLAG = {"sglang.model_path", "sglang.extra_args", "loss.ratio_level", "loss.policy_loss_mode"}
 # where every `--sglang-X` flag that is not ours goes (as `--X`, to every SGLang server), like slime
 PASSTHROUGH_FIELD = "sglang.extra_args"
 
