@@ -29,6 +29,7 @@ SECTION_PREFIXES: dict[str, str] = {
     "cluster": "",
     "sglang": "sglang-",
     "megatron": "",
+    "overlap": "",
 }
 
 # fields that no flag sets (filled from --hf-checkpoint, or by the `--sglang-*` pass-through)
@@ -63,6 +64,7 @@ FLAG_ALIASES: dict[str, str] = {
     "cluster.ray_timeout_s": "--ray-timeout",
     "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)
     "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
+    "overlap.async_train": "--async",  # slime: the train_async.py entry point (ours too: slime_sparse.train_async)
 }
 
 DISABLE_PREFIX = "--disable-"  # a bool field with such a flag: the flag turns it off (slime's store_false)

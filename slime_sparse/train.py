@@ -105,13 +105,16 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> tupl
 
 
 def train_rollout(cfg: RunConfig, components: Components, prepared: PreparedRollout | None,
-                  metrics: dict[str, float]) -> dict[str, float]:
-    """The optimizer steps of a rollout and the engine's weight sync; `metrics` with theirs added."""
+                  metrics: dict[str, float], sync: bool = True) -> dict[str, float]:
+    """The optimizer steps of a rollout and (`sync`) the engine's weight sync; `metrics` with theirs added."""
     t2 = time.perf_counter()
     per_step = [] if prepared is None else [
         components.learner.train_step(part) for part in split_steps(prepared.batch, cfg.steps_per_rollout)]
     t_train = time.perf_counter() - t2
     metrics.update(mean_over_steps(per_step))
+    if not sync:  # --async: the loop syncs every --update-weights-interval rollouts, generation drained first
+        metrics["perf/train_s"] = t_train
+        return metrics
     t3 = time.perf_counter()
     components.sync_weights()
     metrics.update({"perf/train_s": t_train, "perf/sync_s": time.perf_counter() - t3,
@@ -220,7 +223,11 @@ def train(cfg: RunConfig, stop: Stop | None = None) -> dict:
 
 
 def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
-    """Rollouts from `run.start` to --num-rollout, evaluating and saving as due."""
+    """Rollouts from `run.start` to --num-rollout, evaluating and saving as due (--async: train_async's loop)."""
+    if cfg.overlap.async_train:
+        from slime_sparse.train_async import async_loop  # it builds on this module
+
+        return async_loop(cfg, components, run, stop)
     if run.start == 0 and components.eval_sets:
         run.summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=run.log)
     progress = components.progress(range(run.start, cfg.train.num_rollout), desc="rollouts", initial=run.start)
@@ -228,7 +235,8 @@ def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
         step = rollout_id + 1
         prepared, metrics = run_rollout(cfg, components, rollout_id)  # a stop here saves the last finished one
         with stop.deferred():  # from the first optimizer step to the metrics line, a stop waits
-            run.finished(step, train_rollout(cfg, components, prepared, metrics), components.stream.state_dict())
+            run.finished(step, train_rollout(cfg, components, prepared, metrics), components.data_state())
+            components.policy_version = step  # train_rollout synced the engine
         progress.set_postfix(reward=f"{metrics.get('rollout/reward_mean', 0.0):.3f}",
                              kv_save=f"{metrics.get('kv/savings', 0.0):.2f}",
                              rej=f"{metrics.get('correction/seq_reject_rate', 0.0):.3f}",

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
 from slime_sparse.rollout.base import KVView, WeightSource
+from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.hf import load_model
@@ -183,25 +184,31 @@ class EmbeddedEngine:
     # ---- generation ----
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0, *,
-        kv: KVCompressConfig | None = None,
+        kv: KVCompressConfig | None = None, partial: PartialSpec | None = None,
     ) -> list[GenerationOutput]:
         """`index_offset`: where these prompts sit in a larger call split across engines, so that sample
         i always draws from the random stream of (seed, index_offset + i) whichever engine runs it.
-        `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`)."""
+        `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`).
+        `partial` (--partial-rollout): stop once enough groups finished, the rest handed out with finish_reason
+        "abort"; and continue earlier aborted outputs (their own streams and eviction records) where it says so."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         accepted = self._check_prompts(prompts, outputs)
+        partial = partial.check(prompts) if partial is not None else None
+        stop = partial.stop(accepted) if partial is not None else None
         if accepted:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
-            sequences = [Sequence(index=i, prompt=[int(t) for t in prompts[i]], key=derive_seed(seed, index_offset + i))
+            resume = partial.resume if partial is not None else [None] * len(prompts)
+            sequences = [Sequence.continuing(i, resume[i]) if resume[i] is not None else
+                         Sequence(index=i, prompt=[int(t) for t in prompts[i]], key=derive_seed(seed, index_offset + i))
                          for i in accepted]
             with torch.inference_mode(), budget_attention_installed(self.model):
-                self._generate(sequences, params, self.kv if kv is None else kv, outputs)
+                self._generate(sequences, params, self.kv if kv is None else kv, outputs, stop)
         return outputs  # type: ignore[return-value]
 
     def _generate(self, sequences: list[Sequence], params: SamplingParams, kv: KVCompressConfig,
-                  outputs: list[GenerationOutput | None]) -> None:
+                  outputs: list[GenerationOutput | None], stop: GroupStop | None = None) -> None:
         context = self.model.config.max_position_embeddings
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
         n_layers = self.model.config.num_hidden_layers
@@ -218,7 +225,7 @@ class EmbeddedEngine:
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
                   set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace).run(outputs)
+                  self._weight_version, stats, self.kv_trace, stop).run(outputs)
         stats.captures = runner.captures - captures
 
     def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int) -> RunnerShape:

@@ -11,6 +11,9 @@ compresses and when a sequence ends (nano-vllm's Scheduler, without pages).
 - Decoding runs in windows of `readback` steps; between steps, every row that reached its trigger is compressed in one
   batched call (`runner.compress`); a window's tokens come back without waiting (on CUDA the previous window is
   handed out while this one runs), so the host learns a sequence ended up to two windows late.
+- Partial rollouts (`stop`): once enough groups of prompts have finished, every other sequence is aborted and handed
+  out as it stands; a continuation (`Sequence.continuing`) prefills its prompt and tokens, replaying its record's
+  compressions where they happened, and decodes on from its own random stream.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 from torch import Tensor
 
 from slime_sparse.kv import KVCompressConfig, should_compress
+from slime_sparse.rollout.partial import GroupStop
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.faults import fault_point
@@ -57,6 +61,7 @@ class Scheduler:
     weight_version: int
     stats: GenerateStats
     trace: Callable[[KVTraceRecord], None] | None = None
+    stop: GroupStop | None = None  # --partial-rollout: abort the rest once this many groups finished
     running: list[Sequence] = field(default_factory=list)  # running[r] lives in cache row r
     pending: deque[_Readback] = field(default_factory=deque)
 
@@ -71,6 +76,9 @@ class Scheduler:
         for row in range(rows):
             self._park(row)
         while self.waiting or self.running:
+            if self.stop is not None and self.stop.reached:
+                self._abort(outputs)
+                break
             admitted: list[Sequence] = []
             while self.waiting and len(self.running) + len(admitted) < rows:
                 admitted.append(self.waiting.popleft())
@@ -90,9 +98,9 @@ class Scheduler:
         of that row once the prompt is done, before any decode-time compression, so they continue from the very cache
         they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
         """
-        groups: dict[tuple[int, ...], list[Sequence]] = {}
-        for seq in admitted:
-            groups.setdefault(tuple(seq.prompt), []).append(seq)
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq in admitted:  # a continuation prefills its own tokens: a group of its own
+            groups.setdefault((seq.index,) if seq.resumed_at else tuple(seq.prompt), []).append(seq)
         leaders = [group[0] for group in groups.values()]
         first = len(self.running)
         self.running += leaders + [f for group in groups.values() for f in group[1:]]
@@ -105,11 +113,11 @@ class Scheduler:
         for row in range(first, len(self.running)):
             self.runner.reset_row(row)
             table.fill[:, row], table.seen[row], table.issued[row] = 0, 0, 0
-        prefill = sum(len(s.prompt) for s in leaders)
+        prefill = sum(len(s.prefill_tokens) for s in leaders)
         self.stats.prefill_tokens += prefill
-        self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
+        self.stats.prefill_tokens_saved += sum(len(s.prefill_tokens) for s in admitted) - prefill
         lead_rows = list(range(first, first + len(leaders)))
-        while any(s.processed < len(s.prompt) for s in leaders):
+        while any(s.processed < len(s.prefill_tokens) for s in leaders):
             room = [self.capacity - int(table.fill[:, r].max()) for r in lead_rows]
             chunks = [s.pending_prompt(r) for s, r in zip(leaders, room)]
             fault_point("engine.step")  # chaos tests: a kill mid-rollout (prefill or decode)
@@ -126,7 +134,12 @@ class Scheduler:
                 seq.prefill_peak = max(seq.prefill_peak, int(table.fill[:, row].max()))
                 group = [self.running[r] for r in rows_of[id(seq)]]
                 self._trace(row, group, range(seq.processed - len(chunk), seq.processed))
-                if seq.processed < len(seq.prompt):
+                if seq.resumed_at:  # a continuation compresses where its record says, and only there
+                    while seq.replay and seq.replay[0][0] == seq.processed:
+                        self._replay(row, seq.replay.pop(0)[1])
+                    if seq.processed == len(seq.prefill_tokens):
+                        self._continue_decoding(seq, row)
+                elif seq.processed < len(seq.prompt):
                     if should_compress(int(table.fill[:, row].max()), self.kv):  # a long prompt, in chunks
                         cut.append((row, [seq]))
                 else:
@@ -171,6 +184,54 @@ class Scheduler:
                 if not member.finished:
                     self.runner.copy_row(lead_row, row, int(table.fill[:, lead_row].max()))
                     table.fill[:, row], table.seen[row] = table.fill[:, lead_row], table.seen[lead_row]
+
+    def _replay(self, row: int, bits: list[Tensor]) -> None:
+        """One compression of a continuation's record, replayed on its row: per stored layer, keep the slots whose
+        keep bit is set (slots are in position order, as the record's bits are). No new record entry: the
+        continuation's output starts from the record it continues."""
+        table, cache = self.table, self.runner.cache
+        layers = range(cache.num_layers) if len(bits) == 1 else [[layer] for layer in range(cache.num_layers)]
+        for group, layer_bits in zip([list(layers)] if len(bits) == 1 else layers, bits):
+            held = {int(table.fill[layer, row]) for layer in group}
+            if held != {layer_bits.shape[-1]}:
+                raise RuntimeError(f"replaying a compression of {layer_bits.shape[-1]} slots on a row holding "
+                                   f"{sorted(held)}: the continuation's prefill left the recorded path")
+            kept = torch.stack([head.nonzero().flatten() for head in layer_bits])  # [H', k]: every head keeps k
+            device = cache.device
+            cache.compact(torch.tensor(group, device=device), torch.tensor([row], device=device),
+                          kept.to(device)[None, None], torch.full((len(group),), kept.shape[-1], device=device))
+            table.fill[group, row] = kept.shape[-1]
+
+    def _continue_decoding(self, seq: Sequence, row: int) -> None:
+        """A continuation's prefill is done: its row runs its last sampled token next, at the next response index of
+        its own random stream (so, under unchanged weights, it draws what an uninterrupted run would have)."""
+        n, table, device = len(seq.response), self.table, self.runner.device
+        st = self.runner.state
+        index = torch.tensor([row], device=device)
+        st.set_rows(index, torch.tensor([seq.response[-1]], device=device),
+                    torch.tensor([len(seq.prompt) + n - 1], device=device), torch.tensor([seq.key], device=device))
+        st.counters[index] = n
+        table.issued[row] = n
+        table.limit[row] = min(self.params.max_new_tokens, self.context - len(seq.prompt))
+
+    def _abort(self, outputs: list[GenerationOutput | None]) -> None:
+        """Enough groups finished (--partial-rollout): hand out every other sequence as it stands, finish_reason
+        "abort" (those never admitted too), with every token read back and every compression in its record."""
+        while self.pending:
+            self._process(self.pending.popleft())
+        self._retire(outputs)
+        record = self.runner.compressor
+        shape, budgets = (record.record_shape, record.record_budgets) if record else (None, None)
+        for row, seq in enumerate(self.running):
+            a, n = seq.resumed_at, len(seq.response)
+            outputs[seq.index] = seq.output(self.weight_version, self.table.kept_log[row, a:n].tolist(),
+                                            self.table.peak_log[row, a:n].tolist(), self.runner.cache.num_layers,
+                                            shape, budgets, aborted=True)
+            self._park(row)
+        for seq in self.waiting:
+            outputs[seq.index] = seq.output(self.weight_version, [], [], self.runner.cache.num_layers, shape, budgets,
+                                            aborted=True)
+        self.running, self.waiting = [], deque()
 
     # ---- decode ----
     def _decode_window(self) -> None:
@@ -261,11 +322,13 @@ class Scheduler:
             seq = self.running[row]
             if not seq.finished:
                 continue
-            n = len(seq.response)
+            a, n = seq.resumed_at, len(seq.response)
             outputs[seq.index] = seq.output(
-                self.weight_version, self.table.kept_log[row, :n].tolist(), self.table.peak_log[row, :n].tolist(),
+                self.weight_version, self.table.kept_log[row, a:n].tolist(), self.table.peak_log[row, a:n].tolist(),
                 self.runner.cache.num_layers, record.record_shape if record else None,
                 record.record_budgets if record else None)
+            if self.stop is not None:
+                self.stop.finished(seq.index)
             last = len(self.running) - 1
             if row != last:
                 self.runner.copy_row(last, row, int(self.table.fill[:, last].max()), with_state=True)
