@@ -11,9 +11,7 @@ compresses and when a sequence ends (nano-vllm's Scheduler, without pages).
 - Decoding runs in windows of `readback` steps; between steps, every row that reached its trigger is compressed in one
   batched call (`runner.compress`); a window's tokens come back without waiting (on CUDA the previous window is
   handed out while this one runs), so the host learns a sequence ended up to two windows late.
-- Partial rollouts (`stop`): once enough groups of prompts have finished, every other sequence is aborted and handed
-  out as it stands; a continuation (`Sequence.continuing`) prefills its prompt and tokens, replaying its record's
-  compressions where they happened, and decodes on from its own random stream.
+- Partial rollouts: once `stop` holds, the rest is aborted as it stands; continuations: continuation.py.
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.faults import fault_point
 
+from .continuation import prefilled
 from .runner import ModelRunner
 from .sequence import KVTraceRecord, Sequence
 from .step import bucket_for
@@ -75,10 +74,7 @@ class Scheduler:
         rows = self.runner.cache.num_rows
         for row in range(rows):
             self._park(row)
-        while self.waiting or self.running:
-            if self.stop is not None and self.stop.reached:
-                self._abort(outputs)
-                break
+        while (self.waiting or self.running) and not (self.stop is not None and self.stop.reached):
             admitted: list[Sequence] = []
             while self.waiting and len(self.running) + len(admitted) < rows:
                 admitted.append(self.waiting.popleft())
@@ -88,6 +84,8 @@ class Scheduler:
             if self.running:
                 self._decode_window()
                 self._retire(outputs)
+        if self.waiting or self.running:  # the stop rule was met (--partial-rollout)
+            self._abort(outputs)
 
     # ---- prefill ----
     def _admit(self, admitted: list[Sequence]) -> None:
@@ -135,10 +133,7 @@ class Scheduler:
                 group = [self.running[r] for r in rows_of[id(seq)]]
                 self._trace(row, group, range(seq.processed - len(chunk), seq.processed))
                 if seq.resumed_at:  # a continuation compresses where its record says, and only there
-                    while seq.replay and seq.replay[0][0] == seq.processed:
-                        self._replay(row, seq.replay.pop(0)[1])
-                    if seq.processed == len(seq.prefill_tokens):
-                        self._continue_decoding(seq, row)
+                    prefilled(self.runner, table, seq, row, self.params, self.context)
                 elif seq.processed < len(seq.prompt):
                     if should_compress(int(table.fill[:, row].max()), self.kv):  # a long prompt, in chunks
                         cut.append((row, [seq]))
@@ -185,53 +180,21 @@ class Scheduler:
                     self.runner.copy_row(lead_row, row, int(table.fill[:, lead_row].max()))
                     table.fill[:, row], table.seen[row] = table.fill[:, lead_row], table.seen[lead_row]
 
-    def _replay(self, row: int, bits: list[Tensor]) -> None:
-        """One compression of a continuation's record, replayed on its row: per stored layer, keep the slots whose
-        keep bit is set (slots are in position order, as the record's bits are). No new record entry: the
-        continuation's output starts from the record it continues."""
-        table, cache = self.table, self.runner.cache
-        layers = range(cache.num_layers) if len(bits) == 1 else [[layer] for layer in range(cache.num_layers)]
-        for group, layer_bits in zip([list(layers)] if len(bits) == 1 else layers, bits):
-            held = {int(table.fill[layer, row]) for layer in group}
-            if held != {layer_bits.shape[-1]}:
-                raise RuntimeError(f"replaying a compression of {layer_bits.shape[-1]} slots on a row holding "
-                                   f"{sorted(held)}: the continuation's prefill left the recorded path")
-            kept = torch.stack([head.nonzero().flatten() for head in layer_bits])  # [H', k]: every head keeps k
-            device = cache.device
-            cache.compact(torch.tensor(group, device=device), torch.tensor([row], device=device),
-                          kept.to(device)[None, None], torch.full((len(group),), kept.shape[-1], device=device))
-            table.fill[group, row] = kept.shape[-1]
-
-    def _continue_decoding(self, seq: Sequence, row: int) -> None:
-        """A continuation's prefill is done: its row runs its last sampled token next, at the next response index of
-        its own random stream (so, under unchanged weights, it draws what an uninterrupted run would have)."""
-        n, table, device = len(seq.response), self.table, self.runner.device
-        st = self.runner.state
-        index = torch.tensor([row], device=device)
-        st.set_rows(index, torch.tensor([seq.response[-1]], device=device),
-                    torch.tensor([len(seq.prompt) + n - 1], device=device), torch.tensor([seq.key], device=device))
-        st.counters[index] = n
-        table.issued[row] = n
-        table.limit[row] = min(self.params.max_new_tokens, self.context - len(seq.prompt))
-
     def _abort(self, outputs: list[GenerationOutput | None]) -> None:
-        """Enough groups finished (--partial-rollout): hand out every other sequence as it stands, finish_reason
-        "abort" (those never admitted too), with every token read back and every compression in its record."""
+        """Hand out every unfinished sequence as it stands (finish_reason "abort"), every token read back."""
         while self.pending:
             self._process(self.pending.popleft())
         self._retire(outputs)
-        record = self.runner.compressor
-        shape, budgets = (record.record_shape, record.record_budgets) if record else (None, None)
-        for row, seq in enumerate(self.running):
-            a, n = seq.resumed_at, len(seq.response)
-            outputs[seq.index] = seq.output(self.weight_version, self.table.kept_log[row, a:n].tolist(),
-                                            self.table.peak_log[row, a:n].tolist(), self.runner.cache.num_layers,
-                                            shape, budgets, aborted=True)
-            self._park(row)
-        for seq in self.waiting:
-            outputs[seq.index] = seq.output(self.weight_version, [], [], self.runner.cache.num_layers, shape, budgets,
-                                            aborted=True)
+        for row, seq in [*enumerate(self.running), *((None, seq) for seq in self.waiting)]:
+            outputs[seq.index] = self._output(row, seq, aborted=True)
         self.running, self.waiting = [], deque()
+
+    def _output(self, row: int | None, seq: Sequence, aborted: bool = False) -> GenerationOutput:
+        """What `seq` in `row` (None: never admitted) hands out (KV logs: this call's tokens)."""
+        a, n, record, t = seq.resumed_at, len(seq.response), self.runner.compressor, self.table
+        kept, peak = ([], []) if row is None else (t.kept_log[row, a:n].tolist(), t.peak_log[row, a:n].tolist())
+        return seq.output(self.weight_version, kept, peak, self.runner.cache.num_layers,
+                          record.record_shape if record else None, record.record_budgets if record else None, aborted)
 
     # ---- decode ----
     def _decode_window(self) -> None:
@@ -317,16 +280,11 @@ class Scheduler:
     # ---- rows ----
     def _retire(self, outputs: list[GenerationOutput | None]) -> None:
         """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
-        record = self.runner.compressor
         for row in range(len(self.running) - 1, -1, -1):
             seq = self.running[row]
             if not seq.finished:
                 continue
-            a, n = seq.resumed_at, len(seq.response)
-            outputs[seq.index] = seq.output(
-                self.weight_version, self.table.kept_log[row, a:n].tolist(), self.table.peak_log[row, a:n].tolist(),
-                self.runner.cache.num_layers, record.record_shape if record else None,
-                record.record_budgets if record else None)
+            outputs[seq.index] = self._output(row, seq)
             if self.stop is not None:
                 self.stop.finished(seq.index)
             last = len(self.running) - 1
