@@ -129,7 +129,7 @@ def build_components(cfg: RunConfig) -> Components:
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
                             engine=colocated(engine, cfg), rollout_fn=rollout_fn, eval_sets=eval_sets,
-                            placement=placement, partial=PartialBuffer() if cfg.overlap.partial_rollout else None)
+                            placement=placement, partial=PartialBuffer(stream) if cfg.overlap.partial_rollout else None)
     try:
         components.sync_weights()
     except BaseException:
