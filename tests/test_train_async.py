@@ -167,7 +167,7 @@ def trained(run: Path) -> list[tuple[int, int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, fault", [
     ([], "learner.backward@5"),  # mid-training of rollout 2, rollout 3 generating beside it
-    (PARTIAL, "engine.step@300"),  # mid-generation, with groups carried between rollouts
+    (PARTIAL, "engine.step@100"),  # mid-generation (the 2nd or 3rd rollout), groups carried between rollouts
 ], ids=["async", "async-partial"])
 def test_a_kill_mid_async_keeps_every_sample_once(assets, tmp_path, extra, fault):
     """SIGKILL mid-async, rerun the command: metrics.jsonl holds every rollout once, samples.jsonl every trained
