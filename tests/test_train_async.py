@@ -187,3 +187,30 @@ def test_a_kill_mid_async_keeps_every_sample_once(assets, tmp_path, extra, fault
     assert all(got.count(x) == 4 for x in set(got))  # whole groups
     if not extra:
         assert got == want
+
+
+RAY_1X2 = ["--use-ray", "--actor-num-gpus-per-node", "1", "--rollout-num-gpus", "2", "--ray-cpus-per-actor", "0.2",
+           "--ray-timeout", "120", "--update-weight-buffer-size", "16384"]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("extra", [[], PARTIAL], ids=["async", "async-partial"])
+def test_async_on_ray_two_engines_one_learner(local_ray, assets, tmp_path, extra):
+    """The same loop over Ray actors (1 learner rank, 2 engines; the rollout thread waits on the engine actors while
+    the driver drives the learner): the staleness schedule holds, partial groups split at group boundaries."""
+    from slime_sparse.train import main
+
+    run = tmp_path / "run"
+    assert main(run_args(assets, run, 3, *ASYNC, *RAY_1X2, *extra)) == 0
+    rows = rollout_rows(run)
+    # interval 1: one version old after the first; a continued sample is as old as its first stretch (no bound set)
+    if not extra:
+        assert [(r["rollout/staleness_min"], r["rollout/staleness_max"]) for r in rows] == [(0, 0), (1, 1), (1, 1)]
+    else:
+        assert rows[0]["rollout/staleness_max"] == 0 and all(1 <= r["rollout/staleness_min"] for r in rows[1:])
+        assert all(r["rollout/staleness_max"] <= i for i, r in enumerate(rows))
+    ledger = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    prompts = [r["prompt_index"] for r in ledger][::4]
+    assert len(prompts) == len(set(prompts)) == 6
+    if extra:
+        assert sum(r["rollout/partial_aborted"] for r in rows) > 0
