@@ -31,6 +31,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
+from slime_sparse.algo import mismatch_staleness_metrics
+from slime_sparse.backends.logprobs import pad_right, response_logprobs, response_mask
 from slime_sparse.config import RunConfig
 from slime_sparse.components import Components
 from slime_sparse.eval import evaluate_modes
@@ -61,6 +65,32 @@ class Produced:
     output: RolloutFnTrainOutput
     data_state: dict  # the data position right after it (what a checkpoint of the step that trains it stores)
     seconds: float
+    # per sample, the dense log-probs under the weights that sampled it (where this process holds them), or None
+    then: list | None = None
+
+
+def sampler_version_logprobs(cfg: RunConfig, components: Components, output: RolloutFnTrainOutput) -> list | None:
+    """Dense log-probs of the rollout's samples under the weights that sampled them, computed beside the learner
+    before the engines are updated: what mismatch/staleness/* compares pi_old with. Only where this process holds
+    those weights (the in-process embedded engine's model; not on Ray or SGLang, where the staleness stays folded
+    into mismatch/numeric/*), only when the mismatch diagnostics are due, and only for samples written by the
+    engines' current weights alone (a continued sample's earlier stretches came from older ones: None)."""
+    model = getattr(components.engine, "model", None)
+    plan = output.plan or cfg.rollout_plan(0)
+    if not isinstance(model, torch.nn.Module) or not plan.metrics_due or cfg.loss.trains_shadow or cfg.correction.bypass_mode:
+        return None
+    samples = [s for group in output.samples for s in group]
+    now = components.policy_version
+    out: list = []
+    with torch.inference_mode():
+        for i in range(0, len(samples), 16):  # bounded memory: 16 samples per forward
+            part = samples[i:i + 16]
+            logp, _ = response_logprobs(model, [s.prompt_ids + s.response_ids for s in part],
+                                        [len(s.response_ids) for s in part], temperature=cfg.sampling.temperature,
+                                        fp32_lm_head=cfg.train.enable_fp32_lm_head)
+            out += [row[:len(s.response_ids)].float() if [v for _, v in s.segments] == [now] else None
+                    for row, s in zip(logp, part)]
+    return out
 
 
 class Producer:
@@ -81,7 +111,9 @@ class Producer:
             t0 = time.perf_counter()
             try:
                 output = call_rollout_fn(self.components.rollout_fn, self.cfg, rollout_id, self.source)
-                self._box["done"] = Produced(rollout_id, output, self.components.data_state(), time.perf_counter() - t0)
+                state, seconds = self.components.data_state(), time.perf_counter() - t0
+                then = sampler_version_logprobs(self.cfg, self.components, output)
+                self._box["done"] = Produced(rollout_id, output, state, seconds, then)
             except BaseException as exc:  # noqa: BLE001 - raised again in the main thread by take()
                 self._box["error"] = exc
 
@@ -167,6 +199,13 @@ def take_batch(cfg: RunConfig, components: Components, produced: Produced, rollo
                            f"{bound}")
     first = staleness_metrics(staleness, bound) if staleness else {}
     prepared, metrics = prepare_batch(cfg, components, produced.output, first)
+    if prepared is not None and produced.then is not None and any(t is not None for t in produced.then):
+        lens = prepared.batch.response_lens
+        then = pad_right([t if t is not None else torch.zeros(n) for t, n in zip(produced.then, lens)], 0.0,
+                         dtype=torch.float32)
+        mask = response_mask(lens) * torch.tensor([[t is not None] for t in produced.then], dtype=torch.float32)
+        metrics.update(mismatch_staleness_metrics(pad_right(prepared.batch.old_logprobs, 0.0, dtype=torch.float32),
+                                                  then, mask, **cfg.correction.diagnostic_bounds()))
     return prepared, metrics, samples, staleness
 
 

@@ -79,7 +79,7 @@ def _timed_call(log, what, fn, *args):
 def test_async_schedule_staleness_and_no_update_mid_generation(assets, tmp_path, monkeypatch):
     run = tmp_path / "run"
     summary, log = spied_run(monkeypatch, run_args(assets, run, 4, *ASYNC, "--update-weights-interval", "2",
-                                                   "--max-staleness", "2"))
+                                                   "--max-staleness", "2", "--mismatch-metrics-interval", "1"))
     assert summary["status"] == "complete"
     rows = rollout_rows(run)
     # interval 2: rollout 1 is generated while rollout 0 trains (version 0, trained at 1), rollout 2 too (engines
@@ -87,6 +87,10 @@ def test_async_schedule_staleness_and_no_update_mid_generation(assets, tmp_path,
     assert [r["rollout/staleness_max"] for r in rows] == [0, 1, 2, 1]
     assert [r["rollout/staleness_mean"] for r in rows] == [0, 1, 2, 1]
     assert [r["rollout/policy_version"] for r in rows] == [0, 2, 2, 4]  # what the engines hold after each step
+    # the staleness part of the mismatch: pi_old now against the sampler's own weights, dense (the engine's model in
+    # this process): nothing at staleness 0 (the same weights, fp32), something once the learner moved on
+    assert abs(rows[0]["mismatch/staleness/k1"]) < 1e-6 and rows[0]["mismatch/staleness/abs_log_xi"] < 1e-5
+    assert all(r["mismatch/staleness/abs_log_xi"] > 1e-4 for r in rows[1:])
     ledger = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [(r["step"], r["staleness"]) for r in ledger] == [(s, k) for s, k in zip(range(1, 5), [0, 1, 2, 1])
                                                              for _ in range(8)]
