@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_runs import rollout_rows, run_args
 
@@ -218,3 +219,28 @@ def test_async_on_ray_two_engines_one_learner(local_ray, assets, tmp_path, extra
     assert len(prompts) == len(set(prompts)) == 6
     if extra:
         assert sum(r["rollout/partial_aborted"] for r in rows) > 0
+
+
+@pytest.mark.ray
+def test_async_on_sglang_engines(local_ray, assets, tmp_path):
+    """The SGLang path (--rollout-engine sglang on Ray, two attached fake servers): the rollout thread drives the
+    servers while the learner trains; each update reaches both servers after the generation in flight drained, and
+    the last one leaves them holding the final checkpoint's weights."""
+    from safetensors.torch import load_file
+
+    from slime_sparse.train import main
+    from test_ray_sglang import fake_server_processes, fetch_state, flags
+
+    run = tmp_path / "run"
+    with fake_server_processes(2) as urls:
+        assert main([*flags(assets, urls), "--run-dir", str(run), "--save-interval", "1", "--rollout-batch-size", "2",
+                     "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "6",
+                     "--num-rollout", "3", "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward",
+                     "--no-use-tensorboard", "--no-progress-bar", *ASYNC]) == 0
+        rows = rollout_rows(run)
+        assert [(r["rollout/staleness_min"], r["rollout/staleness_max"]) for r in rows] == [(0, 0), (1, 1), (1, 1)]
+        final = load_file(str(run / "checkpoints" / "rollout_000003" / "model" / "model.safetensors"))
+        final.setdefault("lm_head.weight", final["model.embed_tokens.weight"])
+        for url in urls:
+            state = fetch_state(url)
+            assert all(torch.equal(state.weights[n], final[n]) for n in state.weights), url
