@@ -143,3 +143,40 @@ def test_bad_continuations_are_refused():
         eng.generate([[1, 2, 3]], SAMPLE, partial=PartialSpec((0,), None, (cut,)))
     with pytest.raises(ValueError, match="contiguous"):
         eng.generate([[1], [2], [3]], SAMPLE, partial=PartialSpec((0, 1, 0)))
+
+
+def test_the_carried_groups_survive_a_checkpoint():
+    """PartialBuffer's state (what a checkpoint's data state holds) through JSON: the restored aborted outputs continue
+    exactly as the originals would (the same tokens, log-probs and eviction records)."""
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from slime_sparse.rollout.partial import Member, PartialBuffer, PartialGroup
+
+    prompts = [SimpleNamespace(prompt_ids=p, prompt_text=str(p), label=None, metadata={}, row=i)
+               for i, p in enumerate(PROMPTS)]
+    stream = SimpleNamespace(dataset=prompts, epoch_order=lambda epoch: np.arange(len(prompts)))
+    model, kv = tiny_model(), KVS["rkv-head"]
+    eng = engine(model, kv)
+    first = eng.generate(GROUPED, SAMPLE, seed=7, partial=PartialSpec(GROUPS, 1))
+    buffer = PartialBuffer(stream)
+    from slime_sparse.rollout.partial import _record_at
+
+    buffer.carry([PartialGroup(_record_at(stream, g), [Member(first[i], [(0, 3)]) for i in range(len(GROUPED))
+                                                      if GROUPS[i] == g]) for g in sorted(set(GROUPS))])
+    restored = PartialBuffer(stream)
+    restored.load_state_dict(json.loads(json.dumps(buffer.state_dict())))
+    assert restored.state_dict() == buffer.state_dict()
+    a = [m.output for g in buffer.groups for m in g.members]
+    b = [m.output for g in restored.groups for m in g.members]
+    todo = [i for i, o in enumerate(a) if o.finish_reason == "abort"]
+    assert todo and any(a[i].evictions is not None for i in todo)
+    spec = lambda outs: PartialSpec(tuple(GROUPS[i] for i in todo), None, tuple(outs[i] for i in todo))  # noqa: E731
+    x = engine(model, kv).generate([GROUPED[i] for i in todo], SAMPLE, seed=1, partial=spec(a))
+    y = engine(model, kv).generate([GROUPED[i] for i in todo], SAMPLE, seed=1, partial=spec(b))
+    for p, q in zip(x, y):
+        assert p.response_ids == q.response_ids and p.logprobs == q.logprobs
+        assert (p.evictions is None) == (q.evictions is None)
+        assert p.evictions is None or torch.equal(p.evictions.keep_bits, q.evictions.keep_bits)

@@ -248,8 +248,8 @@ def partial_round(cfg, data_source, rollout_id: int, size: int, need: int, seed:
         old = group.members[j]
         start = 0 if before is None else len(before.response_ids)
         segments = [] if old is None else list(old.segments)
-        if len(out.response_ids) > start:
-            segments.append((start, version))
+        if len(out.response_ids) > start and (not segments or segments[-1][1] != version):
+            segments.append((start, version))  # a stretch per version: a later round of one rollout extends it
         continued += before is not None
         aborted += out.finish_reason == "abort"
         new_tokens += len(out.response_ids) - start
