@@ -236,7 +236,7 @@ def test_async_on_sglang_engines(local_ray, assets, tmp_path):
         assert main([*flags(assets, urls), "--run-dir", str(run), "--save-interval", "1", "--rollout-batch-size", "2",
                      "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rollout-max-response-len", "6",
                      "--num-rollout", "3", "--custom-rm-path", "slime_sparse.tasks.repeated_add:task_reward",
-                     "--no-use-tensorboard", "--no-progress-bar", *ASYNC]) == 0
+                     "--no-use-tensorboard", "--no-progress-bar", "--ray-timeout", "300", *ASYNC]) == 0
         rows = rollout_rows(run)
         assert [(r["rollout/staleness_min"], r["rollout/staleness_max"]) for r in rows] == [(0, 0), (1, 1), (1, 1)]
         final = load_file(str(run / "checkpoints" / "rollout_000003" / "model" / "model.safetensors"))
