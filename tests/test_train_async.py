@@ -244,3 +244,13 @@ def test_async_on_sglang_engines(local_ray, assets, tmp_path):
         for url in urls:
             state = fetch_state(url)
             assert all(torch.equal(state.weights[n], final[n]) for n in state.weights), url
+
+
+def test_train_async_entry_point_is_train_with_async(monkeypatch):
+    """`python -m slime_sparse.train_async ARGS` (slime's entry point) is slime-sparse-train --async ARGS."""
+    import slime_sparse.train as train_mod
+    from slime_sparse.train_async import main as async_main
+
+    seen = []
+    monkeypatch.setattr(train_mod, "main", lambda argv: seen.append(argv) or 0)
+    assert async_main(["--num-rollout", "3"]) == 0 and seen == [["--async", "--num-rollout", "3"]]
