@@ -180,3 +180,40 @@ def test_the_carried_groups_survive_a_checkpoint():
         assert p.response_ids == q.response_ids and p.logprobs == q.logprobs
         assert (p.evictions is None) == (q.evictions is None)
         assert p.evictions is None or torch.equal(p.evictions.keep_bits, q.evictions.keep_bits)
+
+
+def test_a_carried_group_too_old_is_regenerated_not_continued():
+    """partial_round under --max-staleness 2 at rollout 4: a group first written at version 1 would train 3 versions
+    old, so its prompt is generated anew (fresh samples, no continuation); one written at version 3 is continued."""
+    from types import SimpleNamespace
+
+    from slime_sparse.config import RunConfig
+    from slime_sparse.rollout.partial import Member, PartialBuffer, PartialGroup, partial_round
+    from slime_sparse.types import GenerationOutput
+
+    cfg = RunConfig.from_dict({"rollout": {"n_samples_per_prompt": 2, "rollout_batch_size": 1,
+                                           "over_sampling_batch_size": 3},
+                               "overlap": {"partial_rollout": True, "max_staleness": 2}, "train": {"global_batch_size": 2}})
+    record = lambda i: SimpleNamespace(index=i, prompt_ids=[1, 2, i], label=None)  # noqa: E731
+    aborted = lambda i: GenerationOutput([1, 2, i], [7], [-0.5], "abort", stream_key=100 + i)  # noqa: E731
+    calls = []
+
+    class Engine:
+        def generate(self, prompts, params, seed=None, partial=None):
+            calls.append(partial)
+            return [GenerationOutput(list(p), ([7] if r is None else list(r.response_ids)) + [8], [-0.1, -0.2][:1 + (r
+                    is not None)], "stop", stream_key=1) for p, r in zip(prompts, partial.resume)]
+
+    stream = SimpleNamespace(next_batch=lambda n: [record(10 + k) for k in range(n)])
+    buffer = PartialBuffer(stream)
+    buffer.carry([PartialGroup(record(0), [Member(aborted(0), [(0, 1)]), Member(aborted(0), [(0, 1)])]),
+                  PartialGroup(record(1), [Member(aborted(1), [(0, 3)]), Member(aborted(1), [(0, 3)])])])
+    source = SimpleNamespace(partial=buffer, policy_version=4, stream=stream, engine=Engine())
+    made = partial_round(cfg, source, rollout_id=4, size=3, need=1, seed=0)
+    (spec,) = calls
+    assert spec.groups == (0, 0, 1, 1, 2, 2) and spec.stop_after_groups == 1
+    assert spec.resume[:2] == (None, None)  # too old: drawn anew
+    assert all(r is not None for r in spec.resume[2:4]) and spec.resume[4:] == (None, None)
+    assert made.metrics["rollout/partial_regenerated"] == 1 and made.metrics["rollout/partial_continued"] == 2
+    segments = {g.record.index: [m.segments for m in g.members] for g in made.complete}
+    assert segments[0] == [[(0, 4)]] * 2 and segments[1] == [[(0, 3), (1, 4)]] * 2
