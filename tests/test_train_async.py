@@ -254,3 +254,17 @@ def test_train_async_entry_point_is_train_with_async(monkeypatch):
     seen = []
     monkeypatch.setattr(train_mod, "main", lambda argv: seen.append(argv) or 0)
     assert async_main(["--num-rollout", "3"]) == 0 and seen == [["--async", "--num-rollout", "3"]]
+
+
+def test_overlap_arithmetic():
+    """benchmarks/async_overlap.py's step model: sync = every phase in turn; async = the engines' side (rollout +
+    reward) beside the learner's (recompute + correction + learner step + other), then the weight update alone."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("async_overlap", ROOT / "benchmarks" / "async_overlap.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = bench.overlap_row("m", {"rollout": 3.0, "reward": 1.0, "recompute": 1.0, "correction": 0.5,
+                                  "learner step": 2.0, "other": 0.5, "weight update": 0.25, "step": 99.0})
+    assert row == "| m | 4.000 | 4.000 | 0.250 | 8.250 | 4.250 | 1.94x |"
+    assert bench.overlap_row("m", {"rollout": 6.0, "learner step": 1.0}).endswith("| 7.000 | 6.000 | 1.17x |")
