@@ -2,8 +2,8 @@
 
     python benchmarks/async_overlap.py ray --num-rollout 6          # the tiny recipe on Ray, 1 learner + 2 engines:
                                                                       # sync vs --async at the same samples
-    python benchmarks/async_overlap.py arithmetic --steps-file S    # sync vs async step time from rl_step_bench.py's
-                                                                      # phases (its --out file; none: it runs the CPU tiny one)
+    python benchmarks/async_overlap.py arithmetic --steps-file S    # sync vs async step time at rl_step_bench.py's
+                                                                      # phases (its --out file; none: the CPU tiny run)
 
 `ray`: the tiny recipe (examples/tiny_cpu, its warm-started model) with its learner as one Ray actor and two engine
 actors, once synchronous and once with --async (and --partial-rollout with --async if asked), same seed and samples.
@@ -59,8 +59,9 @@ def overlap_row(mode: str, phases: dict[str, float]) -> str:
             f"{sync / overlapped:.2f}x |")
 
 
-ARITH_HEADER = ("| mode | engines' side s (rollout + reward) | learner's side s (recompute + correction + learner step + "
-                "other) | weight update s | sync step s | async step s | async speed-up |\n|---|---|---|---|---|---|---|")
+ARITH_HEADER = ("| mode | engines' side s (rollout + reward) | learner's side s (recompute + correction + learner "
+                "step + other) | weight update s | sync step s | async step s | async speed-up |\n"
+                "|---|---|---|---|---|---|---|")
 
 
 def arithmetic(steps_file: str | None) -> str:
@@ -78,7 +79,8 @@ def arithmetic(steps_file: str | None) -> str:
     modes: dict[str, list[dict]] = {}
     for r in records:
         modes.setdefault(r["mode"], []).append(r)
-    lines = [f"# phases of rl_step_bench.py ({records[0]['shape']} shape, {records[0]['dtype']}, {records[0]['device']})",
+    first = records[0]
+    lines = [f"# phases of rl_step_bench.py ({first['shape']} shape, {first['dtype']}, {first['device']})",
              ARITH_HEADER]
     for mode, rows in modes.items():
         rows = rows[1:] or rows  # the first step of a mode warms up
@@ -142,8 +144,8 @@ def ray_study(args) -> str:
         ray.shutdown()
     lines = [f"# tiny recipe on Ray: 1 learner + 2 engine actors, {args.num_rollout} rollouts, seed {args.seed}; "
              f"{machine()} (shared)",
-             "| mode | wall s / rollout | vs sync | rollout s | recompute s | train s | sync s | waited for rollout s | "
-             "drain s | staleness (share of samples) |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| mode | wall s / rollout | vs sync | rollout s | recompute s | train s | sync s | waited for rollout "
+             "s | drain s | staleness (share of samples) |", "|---|---|---|---|---|---|---|---|---|---|"]
     base = results["sync"]["wall_per_rollout_s"]
     for name, r in results.items():
         stale = ", ".join(f"{k}: {v:.2f}" for k, v in r.get("staleness", {}).items()) or "0: 1.00"

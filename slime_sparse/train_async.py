@@ -77,7 +77,8 @@ def sampler_version_logprobs(cfg: RunConfig, components: Components, output: Rol
     engines' current weights alone (a continued sample's earlier stretches came from older ones: None)."""
     model = getattr(components.engine, "model", None)
     plan = output.plan or cfg.rollout_plan(0)
-    if not isinstance(model, torch.nn.Module) or not plan.metrics_due or cfg.loss.trains_shadow or cfg.correction.bypass_mode:
+    if not isinstance(model, torch.nn.Module) or not plan.metrics_due or cfg.loss.trains_shadow \
+            or cfg.correction.bypass_mode:
         return None
     samples = [s for group in output.samples for s in group]
     now = components.policy_version

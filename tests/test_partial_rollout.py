@@ -193,7 +193,8 @@ def test_a_carried_group_too_old_is_regenerated_not_continued():
 
     cfg = RunConfig.from_dict({"rollout": {"n_samples_per_prompt": 2, "rollout_batch_size": 1,
                                            "over_sampling_batch_size": 3},
-                               "overlap": {"partial_rollout": True, "max_staleness": 2}, "train": {"global_batch_size": 2}})
+                               "overlap": {"partial_rollout": True, "max_staleness": 2},
+                               "train": {"global_batch_size": 2}})
     record = lambda i: SimpleNamespace(index=i, prompt_ids=[1, 2, i], label=None)  # noqa: E731
     aborted = lambda i: GenerationOutput([1, 2, i], [7], [-0.5], "abort", stream_key=100 + i)  # noqa: E731
     calls = []

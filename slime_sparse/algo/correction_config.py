@@ -182,7 +182,8 @@ class CorrectionConfig(FromPreset):
         "SAFETY_BOUND)")})
     preset: str = field(default="", metadata={
         "help": "a published setting to start from (other --correction-* flags override its knobs): none | paper | "
-                "mis | icepop (ours) | decoupled_token_is | decoupled_seq_is | decoupled_token_icepop | decoupled_seq_is_rs | decoupled_geo_rs | "
+                "mis | icepop (ours) | decoupled_token_is | decoupled_seq_is | decoupled_token_icepop | "
+                "decoupled_seq_is_rs | decoupled_geo_rs | "
                 "decoupled_geo_rs_token_tis | decoupled_geo_rs_seq_tis | decoupled_k3_rs | decoupled_k3_rs_token_tis "
                 "| decoupled_k3_rs_seq_tis | bypass_ppo_clip | bypass_ppo_clip_geo_rs | bypass_ppo_clip_k3_rs "
                 "(verl's); unset: the knobs as given, which default to none's"})

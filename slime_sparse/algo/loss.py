@@ -144,8 +144,9 @@ class LossConfig:
         if self.policy_loss_mode not in POLICY_LOSS_MODES:
             bad("policy_loss_mode", self.policy_loss_mode, f"choose one of {POLICY_LOSS_MODES}")
         if self.policy_loss_mode == "cispo" and self.eps_clip_c is not None:
-            bad("eps_clip_c", self.eps_clip_c, "dual clip bounds PPO's clipped surrogate, which --advantage-estimator "
-                                               "cispo does not use (CISPO's weight is already clipped; slime ignores it)")
+            bad("eps_clip_c", self.eps_clip_c, "dual clip bounds PPO's clipped surrogate, which "
+                                               "--advantage-estimator cispo does not use (CISPO's weight is already "
+                                               "clipped; slime ignores it)")
         if self.policy_loss_mode == "cispo" and self.ratio_level != "token":
             bad("policy_loss_mode", self.policy_loss_mode, "CISPO clips a per-token ratio (GSPO's is per sequence)")
         if not math.isfinite(self.entropy_coef) or self.entropy_coef < 0:

@@ -47,8 +47,9 @@ def continue_decoding(runner: ModelRunner, table: RowTable, seq: Sequence, row: 
     from its own stream (so, under unchanged weights, it draws what an uninterrupted run would have)."""
     n, device = len(seq.response), runner.device
     index = torch.tensor([row], device=device)
-    runner.state.set_rows(index, torch.tensor([seq.response[-1]], device=device),
-                          torch.tensor([len(seq.prompt) + n - 1], device=device), torch.tensor([seq.key], device=device))
+    position = torch.tensor([len(seq.prompt) + n - 1], device=device)
+    runner.state.set_rows(index, torch.tensor([seq.response[-1]], device=device), position,
+                          torch.tensor([seq.key], device=device))
     runner.state.counters[index] = n
     table.issued[row] = n
     table.limit[row] = min(params.max_new_tokens, context - len(seq.prompt))
