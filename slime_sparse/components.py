@@ -22,6 +22,7 @@ from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.flags import flag_for
 from slime_sparse.reward import get_reward_fn
 from slime_sparse.rollout.offload import OffloadingEngine
+from slime_sparse.rollout.partial import PartialBuffer
 from slime_sparse.utils.imports import load_function
 from slime_sparse.utils.logging import progress_bar
 
@@ -39,6 +40,8 @@ class Components:
     rollout_fn: Callable | None = None  # --rollout-function-path (slime's signature: rollout/base_types.py)
     eval_sets: dict = field(default_factory=dict)  # {name: records} of each --eval-prompt-data set
     placement: Any = None  # what holds the learner and engine besides themselves (Ray: actors' placement group)
+    partial: Any = None  # --partial-rollout: the unfinished groups a rollout carries to the next (rollout/partial.py)
+    policy_version: int = 0  # rollouts trained into the weights the engine holds (the loop sets it at each sync)
     _eval_engines: dict = field(default_factory=dict)
 
     def progress(self, iterable, **kw):
@@ -53,22 +56,31 @@ class Components:
             self._eval_engines[mode] = self.engine.with_kv(kv)
         return self._eval_engines[mode]
 
+    def data_state(self) -> dict:
+        """Where the data stands now: the prompt stream's position, and the partial groups carried to the next
+        rollout (--partial-rollout only). What a checkpoint stores."""
+        state = self.stream.state_dict()
+        return state if self.partial is None else {**state, "partial": self.partial.state_dict()}
+
     def save_checkpoint(self, save_dir: str, step: int, data_state: dict | None = None,
                         extra: dict | None = None) -> str:
-        """Checkpoint rollout `step` at the prompt stream's position `data_state` (None: where it is now); `extra`:
-        more of the loop's state (JSON), kept in trainer_state.json."""
+        """Checkpoint rollout `step` at the data position `data_state` (None: where it is now); `extra`: more of the
+        loop's state (JSON), kept in trainer_state.json."""
         path = os.path.join(save_dir, f"rollout_{step:06d}")
         # the learner owns its state (Ray: rank 0 writes it); the loop adds the data position
         # the run config too: a resume under other experiment settings is refused (resume.py)
         extra = {CONFIG_KEY: checkpoint_config(self.cfg), **(extra or {})}
-        self.learner.save_checkpoint(path, step=step, data_state=data_state or self.stream.state_dict(), extra=extra,
+        self.learner.save_checkpoint(path, step=step, data_state=data_state or self.data_state(), extra=extra,
                                      tokenizer=self.tokenizer, keep_last=self.cfg.train.keep_last)
         return path
 
     def load_checkpoint(self, path: str) -> int:
         state = self.learner.load_checkpoint(path)  # Ray: every rank restores itself
         self.stream.load_state_dict(state["data_state"])
+        if self.partial is not None:
+            self.partial.load_state_dict(state["data_state"].get("partial"))
         self.sync_weights()
+        self.policy_version = int(state["step"])
         return int(state["step"])
 
     def sync_weights(self) -> None:
@@ -119,7 +131,7 @@ def build_components(cfg: RunConfig) -> Components:
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
                             engine=colocated(engine, cfg), rollout_fn=rollout_fn, eval_sets=eval_sets,
-                            placement=placement)
+                            placement=placement, partial=PartialBuffer(stream) if cfg.overlap.partial_rollout else None)
     try:
         components.sync_weights()
     except BaseException:

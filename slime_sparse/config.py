@@ -31,6 +31,7 @@ from slime_sparse.drift.config import DriftConfig
 from slime_sparse.flags import SECTION_PREFIXES, flag_for
 from slime_sparse.reward import RewardConfig
 from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.overlap_config import OverlapConfig
 from slime_sparse.rollout.base_types import RolloutPlan
 from slime_sparse.rollout.config import RolloutConfig
 from slime_sparse.rollout.sampling import SamplingParams
@@ -57,6 +58,7 @@ class RunConfig:
     sglang: SGLangEngineConfig = field(default_factory=SGLangEngineConfig)
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
     drift: DriftConfig = field(default_factory=DriftConfig)
+    overlap: OverlapConfig = field(default_factory=OverlapConfig)
 
     @classmethod
     def from_dict(cls, sections: Mapping[str, Mapping[str, Any]], source: str = "config") -> "RunConfig":
@@ -72,13 +74,15 @@ class RunConfig:
         - Dr.GRPO's constant normaliser (`--loss-agg-mode seq-mean-token-sum-norm` without a norm_len): the
           generation budget, --rollout-max-response-len;
         - no --lr-decay-iters: every optimizer step of the run, --num-rollout x steps per rollout (slime's rule);
-        - --advantage-estimator gspo: the loss's PPO ratio is one per sequence (`LossConfig.ratio_level`).
+        - --advantage-estimator gspo: the loss's PPO ratio is one per sequence (`LossConfig.ratio_level`);
+          cispo: the loss is CISPO's (`LossConfig.policy_loss_mode`).
         (What comes from the model directory, the stop ids, is filled at start-up: slime_sparse.startup.)"""
         loss, train = self.loss, self.train
         if loss.loss_agg_mode == "seq-mean-token-sum-norm" and loss.norm_len is None:
             loss = dataclasses.replace(loss, norm_len=self.sampling.max_new_tokens)
         if self.rollout.advantage_spec.sequence_ratio:
             loss = dataclasses.replace(loss, ratio_level="sequence")
+        loss = dataclasses.replace(loss, policy_loss_mode=self.rollout.advantage_spec.policy_loss_mode)
         if train.lr_decay_iters is None and train.global_batch_size > 0:  # (a bad batch size: validate says so)
             train = dataclasses.replace(train, lr_decay_iters=train.num_rollout * self.steps_per_rollout)
         return dataclasses.replace(self, loss=loss, train=train)
@@ -109,6 +113,7 @@ class RunConfig:
                              f"needs {flag_for('sglang', 'enable_memory_saver')} (the servers release memory through "
                              "it)")
         self._validate_drift()
+        self._validate_overlap()
         samples = self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt
         if samples % self.train.global_batch_size:
             raise ValueError(
@@ -139,6 +144,32 @@ class RunConfig:
                              "started with and a request can only opt out of it, so the budget moves between "
                              f"{flag_for('kv', 'budget')} and dense; leave {budget_max} unset")
 
+    def _validate_overlap(self) -> None:
+        """--async and --partial-rollout against the rest of the run."""
+        overlap, flag = self.overlap, lambda name: flag_for("overlap", name)
+        if overlap.async_train:
+            if self.cluster.colocate:
+                raise ValueError(f"{flag('async_train')} with {flag_for('cluster', 'colocate')}: the next rollout "
+                                 "generates while the learner trains, so they need devices of their own (slime "
+                                 "refuses it too)")
+            if self.reward.num_workers == 0:
+                raise ValueError(f"{flag('async_train')} with {flag_for('reward', 'num_workers')} 0: rewards are "
+                                 "graded beside the learner, off the main thread, where --rm-timeout's SIGALRM cannot "
+                                 f"reach; use {flag_for('reward', 'num_workers')} >= 1")
+            reads_rejection = [p for p in self.rollout.dynamic_sampling_filter_path if "check_min_kept_samples" in p]
+            if reads_rejection:
+                raise ValueError(f"{flag_for('rollout', 'dynamic_sampling_filter_path')} {reads_rejection[0]} with "
+                                 f"{flag('async_train')}: pi_old is recomputed when a rollout is trained, after the "
+                                 "filters ran, so they cannot see what the correction rejects")
+        if overlap.partial_rollout:
+            if self.rollout.engine != "embedded":
+                raise ValueError(f"{flag('partial_rollout')} needs {flag_for('rollout', 'engine')} embedded: the "
+                                 "continuation replays the eviction record in the engine's own prefill")
+            if self.rollout.sampling_batch_size <= self.rollout.rollout_batch_size:
+                raise ValueError(f"{flag('partial_rollout')} aborts the groups a rollout does not need, so it needs "
+                                 f"{flag_for('rollout', 'over_sampling_batch_size')} > "
+                                 f"{flag_for('rollout', 'rollout_batch_size')}={self.rollout.rollout_batch_size}")
+
     @property
     def offloads_rollout(self) -> bool:
         """--offload-rollout as resolved: on where the learner and the engines share devices."""
@@ -157,7 +188,9 @@ class RunConfig:
         rollouts from the first; 0: never)."""
         interval = self.log.mismatch_metrics_interval
         return RolloutPlan(trains_shadow=self.loss.trains_shadow,
-                           metrics_due=interval > 0 and rollout_id % interval == 0)
+                           metrics_due=interval > 0 and rollout_id % interval == 0,
+                           defer_old=self.overlap.async_train,
+                           mask_offpolicy=self.overlap.mask_offpolicy_in_partial_rollout)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}

@@ -30,10 +30,12 @@ SECTION_PREFIXES: dict[str, str] = {
     "sglang": "sglang-",
     "megatron": "",
     "drift": "drift-",
+    "overlap": "",
 }
 
 # fields that no flag sets (filled from --hf-checkpoint, or by the `--sglang-*` pass-through)
-NO_FLAG = {"sglang.model_path", "sglang.extra_args", "loss.ratio_level"}  # ratio_level: --advantage-estimator
+# ratio_level, policy_loss_mode: set by --advantage-estimator
+NO_FLAG = {"sglang.model_path", "sglang.extra_args", "loss.ratio_level", "loss.policy_loss_mode"}
 # where every `--sglang-X` flag that is not ours goes (as `--X`, to every SGLang server), like slime
 PASSTHROUGH_FIELD = "sglang.extra_args"
 
@@ -64,6 +66,7 @@ FLAG_ALIASES: dict[str, str] = {
     "megatron.load": "--ref-load",  # slime's: the Megatron checkpoint a run starts from (and its KL reference)
     "megatron.vocab_divisible_by": "--make-vocab-size-divisible-by",
     "drift.budget_max": "--kv-budget-max",  # the drift guard's, beside --kv-budget
+    "overlap.async_train": "--async",  # slime: the train_async.py entry point (ours too: slime_sparse.train_async)
 }
 
 DISABLE_PREFIX = "--disable-"  # a bool field with such a flag: the flag turns it off (slime's store_false)

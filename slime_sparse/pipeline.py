@@ -193,6 +193,11 @@ def prepare_rollout(
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)
     mask = response_mask(response_lens)
+    if plan.mask_offpolicy:  # slime's --mask-offpolicy-in-partial-rollout: only the last stretch is trained
+        last = torch.tensor([s.segments[-1][0] if s.segments else 0 for s in samples])
+        offpolicy = torch.arange(mask.shape[1])[None, :] < last[:, None]
+        adv_metrics["rollout/offpolicy_masked_frac"] = float((offpolicy & (mask > 0)).sum() / mask.sum())
+        mask = mask.masked_fill(offpolicy, 0)
     corr = sparsity_correction(logp_old, logp_sparse, mask, correction, advantages=advantages)
     bounds = correction.diagnostic_bounds()
 

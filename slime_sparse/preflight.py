@@ -41,6 +41,12 @@ def start_warnings(cfg: RunConfig, longest_prompt: int) -> list[str]:
             f"{flag_for('sampling', 'temperature')} 0 with {flag_for('rollout', 'n_samples_per_prompt')} {n}: greedy "
             f"samples of a prompt are identical, so every group's advantages are 0 and nothing is learned; set "
             f"{flag_for('sampling', 'temperature')} > 0 (the paper's 1.0)")
+    if cfg.loss.policy_loss_mode == "cispo" and cfg.loss.eps_clip < 1.0:  # slime's warning, in its words
+        out.append(
+            f"{flag_for('rollout', 'advantage_estimator')} cispo with {flag_for('loss', 'eps_clip')} "
+            f"{cfg.loss.eps_clip}: CISPO is canonically single-sided, but this keeps the lower clip bound "
+            f"{1.0 - cfg.loss.eps_clip:g} active; set {flag_for('loss', 'eps_clip')} 1.0 (and tune "
+            f"{flag_for('loss', 'eps_clip_high')}, e.g. 4.0) for MiniMax-M1's setting")
     return out
 
 

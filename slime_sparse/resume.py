@@ -28,7 +28,7 @@ EXPERIMENT_FIELDS = (("train", "hf_checkpoint"), ("rollout", "advantage_estimato
 SCHEDULE_FIELDS = (("data", "num_epochs"),)  # more epochs for more rollouts: the prompt order stays the same
 # labels derived from the fields that are compared (the correction's knobs, whatever preset they started from; the
 # loss's ratio level, from --advantage-estimator)
-DERIVED_FIELDS = (("correction", "preset"), ("kv", "preset"), ("loss", "ratio_level"))
+DERIVED_FIELDS = (("correction", "preset"), ("kv", "preset"), ("loss", "ratio_level"), ("loss", "policy_loss_mode"))
 CONFIG_KEY = "config"  # where Components.save_checkpoint puts the run config in a checkpoint's `extra`
 
 

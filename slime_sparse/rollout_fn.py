@@ -15,6 +15,7 @@ from collections import Counter
 from slime_sparse.pipeline import assign_rewards, dense_logprobs, response_metrics, to_samples
 from slime_sparse.rollout.base_types import RolloutFnTrainOutput
 from slime_sparse.rollout.filter_hub import load_filters, round_size, select_groups
+from slime_sparse.rollout.partial import partial_round
 from slime_sparse.rollout.sampling import derive_seed
 from slime_sparse.types import Sample
 
@@ -50,23 +51,40 @@ def generate_rollout(cfg, rollout_id: int, data_source, evaluation: bool = False
         kept = len(out.samples)
         size = round_size(cfg.rollout.sampling_batch_size, need=target - kept, kept=kept,
                           judged=kept + counts["rollout/groups_dropped"])
-        records = data_source.stream.next_batch(size)
-        t0 = time.perf_counter()
-        outputs = data_source.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
-                                              seed=rollout_seed(cfg, rollout_id, round_id))
-        t_rollout += time.perf_counter() - t0
-        samples = to_samples(records, outputs, n)
-        counts.update(assign_rewards(samples, data_source.tokenizer, data_source.reward_fn))
+        seed = rollout_seed(cfg, rollout_id, round_id)
+        if partial := getattr(data_source, "partial", None):  # --partial-rollout: carried groups first, then fresh
+            made = partial_round(cfg, data_source, rollout_id, size, target - kept, seed)
+            t_rollout += made.generate_s
+            counts.update(made.metrics)
+            samples = [s for group in made.complete for s in group.samples()]
+        else:
+            records = data_source.stream.next_batch(size)
+            t0 = time.perf_counter()
+            outputs = data_source.engine.generate([r.prompt_ids for r in records for _ in range(n)], cfg.sampling,
+                                                  seed=seed)
+            t_rollout += time.perf_counter() - t0
+            samples = to_samples(records, outputs, n)
+            for s in samples:  # the policy version (rollouts trained) of the weights that wrote it: its staleness
+                s.segments = [(0, getattr(data_source, "policy_version", 0))]
+        if samples:
+            counts.update(assign_rewards(samples, data_source.tokenizer, data_source.reward_fn))
         t1 = time.perf_counter()
-        old = dense_logprobs(samples, data_source.learner, cfg.correction, plan=plan)
+        # --async: pi_old waits for the learner's weights of the step that trains on it (train_async)
+        old = None if plan.defer_old or not samples else dense_logprobs(samples, data_source.learner, cfg.correction,
+                                                                          plan=plan)
         t_recompute += time.perf_counter() - t1
 
         groups = [samples[i:i + n] for i in range(0, len(samples), n)]
         selection = select_groups(groups, filters, cfg, target - len(out.samples))
-        data_source.stream.put_back(len(groups) - selection.judged)
+        if partial:  # what the batch did not need waits in the buffer, finished or not
+            made.carry(partial, selection.judged)
+        else:
+            data_source.stream.put_back(len(groups) - selection.judged)
         out.samples += [groups[g] for g in selection.kept]
-        out.old_logprobs = None if old is None else out.old_logprobs + [old[g * n + j] for g in selection.kept
-                                                                        for j in range(n)]
+        if old is None and samples:  # not computed: the pipeline recomputes the batch's
+            out.old_logprobs = None
+        elif old is not None and out.old_logprobs is not None:
+            out.old_logprobs += [old[g * n + j] for g in selection.kept for j in range(n)]
         generated += samples
         counts.update({"rollout/groups_generated": len(groups),
                        "rollout/groups_put_back": len(groups) - selection.judged,
@@ -78,10 +96,12 @@ def generate_rollout(cfg, rollout_id: int, data_source, evaluation: bool = False
         logger.warning("rollout %d: dynamic sampling kept %d of --rollout-batch-size=%d groups in "
                        "--dynamic-sampling-max-rounds=%d rounds; training on those", rollout_id,
                        len(out.samples), target, cfg.rollout.dynamic_sampling_max_rounds)
-    gen_tokens = sum(len(s.response_ids) for s in generated)
+    # tokens generated in this rollout (a partial one's: also those of groups it carries on, none it carried in)
+    gen_tokens = counts.pop("rollout/partial_new_tokens") if "rollout/partial_new_tokens" in counts else \
+        sum(len(s.response_ids) for s in generated)
     train_tokens = sum(len(s.response_ids) for group in out.samples for s in group)
     out.metrics = {
-        **response_metrics(generated), **{k: float(v) for k, v in counts.items()},
+        **(response_metrics(generated) if generated else {}), **{k: float(v) for k, v in counts.items()},
         "rollout/groups_kept": float(len(out.samples)),
         "rollout/dynamic_sampling_exhausted": float(len(out.samples) < target),
         "rollout/gen_tokens": float(gen_tokens),

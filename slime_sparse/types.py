@@ -43,6 +43,8 @@ class GenerationOutput:
     # what the compressed cache let each token see (None: nothing evicted, or, with kv.compressions > 0, an SGLang
     # request retracted after a compression: no record can express its dense re-prefill)
     evictions: EvictionRecord | None = None
+    # the sample's random stream key (finish_reason "abort": a continuation draws on from it, --partial-rollout)
+    stream_key: int | None = None
 
 
 @dataclass
@@ -61,3 +63,6 @@ class Sample:
     rejected: bool = False  # the sparsity correction kept none of its tokens (set once pi_old is known)
     metadata: dict = field(default_factory=dict)
     evictions: EvictionRecord | None = None  # the engine's record: the learner's shadow forward rebuilds its mask
+    # (first response token, policy version: rollouts the learner had trained) of each stretch of the response that
+    # one set of weights generated: one stretch, or several for a sample continued across rollouts (--partial-rollout)
+    segments: list[tuple[int, int]] = field(default_factory=list)

@@ -234,6 +234,7 @@ def test_one_sample_per_prompt_is_refused_only_where_a_group_baseline_is_used(tm
 @pytest.mark.parametrize("flags", [
     ["--advantage-estimator", "gspo", "--correction-is-level", "geometric"],
     ["--advantage-estimator", "reinforce_plus_plus_baseline"],
+    ["--advantage-estimator", "cispo", "--eps-clip", "1.0", "--eps-clip-high", "4.0"],  # MiniMax-M1's band
 ])
 def test_a_training_run_with_the_estimator(tiny_assets, tmp_path, flags):
     """The loop end to end (R-KV rollouts, the mis correction, both learner passes) under the estimator."""

@@ -42,3 +42,14 @@ def test_tiny_recipe_on_ray_survives_kills_and_engine_actor_deaths(tmp_path):
     print(report.table())
     assert not report.problems
     assert report.engine_restarts >= 1
+
+
+def test_tiny_recipe_async_survives_kills(tmp_path):
+    """--async: killed mid-generation of the next rollout, mid-step, mid-checkpoint; every rollout once in
+    metrics.jsonl and, step by step, the uninterrupted run's prompts in samples.jsonl, none trained twice (a resumed
+    async run generates its next rollout from the restored weights, so bit-identity is not the criterion)."""
+    report = run_chaos([*recipe_args(), "--async"], out_dir(tmp_path, "async"), num_rollout=8, kills=8, external=1)
+    print(report.table())
+    assert not report.problems
+    assert len(report.kills) == 8
+    assert "rollout (generation)" in " ".join(report.landed_counts())

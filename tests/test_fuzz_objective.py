@@ -220,6 +220,8 @@ def run_pipeline_case(seed: int) -> None:
         if correction.is_weight:
             correction = CorrectionConfig.from_preset(preset, is_level="geometric")
         cfg = dataclasses.replace(cfg, ratio_level="sequence", loss_agg_mode="seq-mean-token-mean", norm_len=None)
+    if spec.policy_loss_mode == "cispo":  # CISPO's loss: a per-token ratio, no dual clip (RunConfig refuses one)
+        cfg = dataclasses.replace(cfg, policy_loss_mode="cispo", ratio_level="token", eps_clip_c=None)
     check_composition(spec, cfg, correction)
     prepared = prepare_rollout(samples, StubLearner(case), correction, advantage_spec=spec, need_ref=True)
     assert torch.isfinite(prepared.batch.advantages).all(), f"{where} {estimator}: non-finite advantages"

@@ -62,6 +62,8 @@ def oracle(old_rows, sparse_rows, knobs: dict, advantages=None):
         if k["is_weight"]:
             upper = math.inf if k["is_upper"] is None else k["is_upper"]
             w = [min(max(r, k["is_lower"]), upper) if k["is_mode"] == "truncate" else r for r in ratio]
+            if k["is_mode"] == "icepop":  # verl's "lower_upper" threshold: 0 outside the band, the mask untouched
+                w = [r if k["is_lower"] <= r <= upper else 0.0 for r in ratio]
         else:
             w = [1.0] * n
         keep = [True] * n
@@ -303,9 +305,12 @@ def test_empty_masks_length_one_and_all_rejected(cfg):
 def verl_config(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, rollout_rs_threshold=None,
                 bypass_mode=False, rollout_is_batch_normalize=False) -> CorrectionConfig:
     """Our knobs for verl's RolloutCorrectionConfig fields (verl HEAD 2026-01, algorithm.py)."""
+    icepop = isinstance(rollout_is_threshold, str) and "_" in rollout_is_threshold  # "lower_upper": IcePop
+    lower, upper = map(float, rollout_is_threshold.split("_")) if icepop else (0.0, rollout_is_threshold)
     return CorrectionConfig(
         is_weight=rollout_is is not None, is_level=rollout_is or "token",
-        is_upper=rollout_is_threshold if rollout_is is not None else None,
+        is_upper=upper if rollout_is is not None else None, is_lower=lower,
+        is_mode="icepop" if icepop else "truncate",
         rs=tuple(rollout_rs.split(",")) if rollout_rs else (),
         rs_threshold=tuple(str(rollout_rs_threshold).split(",")) if rollout_rs else (),
         bypass_mode=bypass_mode, batch_normalize=rollout_is_batch_normalize)
@@ -315,6 +320,7 @@ def verl_config(rollout_is=None, rollout_is_threshold=2.0, rollout_rs=None, roll
 VERL_DEFINITIONS = {
     "decoupled_token_is": dict(rollout_is="token"),
     "decoupled_seq_is": dict(rollout_is="sequence"),
+    "decoupled_token_icepop": dict(rollout_is="token", rollout_is_threshold="0.5_5.0"),
     "decoupled_seq_is_rs": dict(rollout_is="sequence", rollout_rs="seq_sum_k1", rollout_rs_threshold="0.5_2.0"),
     "decoupled_geo_rs": dict(rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
     "decoupled_geo_rs_token_tis": dict(rollout_is="token", rollout_rs="seq_mean_k1", rollout_rs_threshold="0.999_1.001"),
@@ -334,13 +340,14 @@ def test_verl_presets_equal_their_definitions(name):
     preset = CorrectionConfig.from_preset(name)
     definition = verl_config(**VERL_DEFINITIONS[name])
     assert knobs_of(preset) == knobs_of(definition)
-    assert definition.preset == name  # the knobs alone name the preset
+    # the knobs alone name the preset (verl's IcePop factory is our `icepop`: the knobs name ours, the first listed)
+    assert definition.preset == {"decoupled_token_icepop": "icepop"}.get(name, name)
     for seed in range(2):  # and it behaves as the oracle reads verl's definition
         run_against_oracle(knobs_of(preset), seed)
 
 
 def test_preset_list_is_complete():
-    assert set(VERL_DEFINITIONS) == set(VERL_PRESETS) and set(PRESETS) == {"none", "paper", "mis"}
+    assert set(VERL_DEFINITIONS) == set(VERL_PRESETS) and set(PRESETS) == {"none", "paper", "mis", "icepop"}
     help_text = next(f for f in dataclasses.fields(CorrectionConfig) if f.name == "preset").metadata["help"]
     for name in ALL_PRESETS:
         assert name in help_text, name

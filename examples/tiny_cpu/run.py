@@ -46,6 +46,8 @@ VARIANTS: dict[str, list[str]] = {
     # one importance weight per sequence (verl's decoupled_seq_is: the product of xi, truncated at 2): it reweights
     # the sequence's advantage too, where a token weight reweights only its own token (long_horizon.py, #38)
     "sparse_rl_seq_is": ["--kv-method", "rkv", "--correction-preset", "decoupled_seq_is"],
+    # rollout k + 1 generated while the learner trains on rollout k (#47; slime's train_async): one version stale
+    "sparse_rl_async": ["--kv-method", "rkv", "--correction-preset", "mis", "--async", "--rm-num-workers", "1"],
 }
 PAPER_VARIANTS = ["dense", "naive_sparse", "sparse_rl", "sparse_rl_paper"]  # the study's default rows
 

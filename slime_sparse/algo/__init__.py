@@ -39,6 +39,7 @@ from slime_sparse.algo.metrics import (
     log_ratio_stats,
     mismatch_metrics,
     mismatch_split_metrics,
+    mismatch_staleness_metrics,
     shadow_metrics,
 )
 
@@ -67,6 +68,7 @@ __all__ = [
     "log_ratio_stats",
     "mismatch_metrics",
     "mismatch_split_metrics",
+    "mismatch_staleness_metrics",
     "policy_loss",
     "shadow_metrics",
     "sparsity_correction",

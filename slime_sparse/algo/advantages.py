@@ -5,6 +5,8 @@ sample i in prompt group g of size n:
 
     grpo                          A_i = (R_i - mean_g R) / (std_g R + 1e-6)    (Dr.GRPO: without the std)
     gspo                          A_i as grpo; the PPO ratio is per sequence (`LossConfig.ratio_level`)
+    cispo                         A_i as grpo; the loss is CISPO's (`LossConfig.policy_loss_mode`, MiniMax-M1): a
+                                  clipped, stop-gradient ratio weighs every token's log-prob gradient
     rloo                          A_i = R_i - mean_{j in g, j != i} R_j = n / (n - 1) * (R_i - mean_g R)
     reinforce_plus_plus_baseline  A_i = R_i - mean_g R, then whitened over the batch's response tokens
     reinforce_plus_plus           A_i = G_i = R_i, then whitened over the batch's response tokens
@@ -33,9 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
+ADVANTAGE_ESTIMATORS = ("grpo", "gspo", "cispo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "rloo")
 WHITENED_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")  # slime requires the whitening
 SEQUENCE_RATIO_ESTIMATORS = ("gspo",)  # their PPO ratio is one per sequence (GSPO's s_i)
+CISPO_ESTIMATORS = ("cispo",)  # slime's #2067: the estimator names the loss (its advantages are GRPO's)
 _WHITEN_EPS = 1e-8  # slime's and verl's
 
 
@@ -45,13 +48,18 @@ class AdvantageSpec:
     `--normalize-advantages`)."""
 
     estimator: str = "grpo"
-    std_normalization: bool = True  # grpo / gspo: divide by the group std
+    std_normalization: bool = True  # grpo / gspo / cispo: divide by the group std
     whiten: bool = False  # over the rollout's response tokens (slime's --normalize-advantages)
 
     @property
     def sequence_ratio(self) -> bool:
         """The loss's PPO ratio is one per sequence (GSPO)."""
         return self.estimator in SEQUENCE_RATIO_ESTIMATORS
+
+    @property
+    def policy_loss_mode(self) -> str:
+        """The loss this estimator trains with (`LossConfig.policy_loss_mode`): CISPO's, or PPO's clipped one."""
+        return "cispo" if self.estimator in CISPO_ESTIMATORS else "ppo_clip"
 
     def validate(self) -> None:
         if self.estimator not in ADVANTAGE_ESTIMATORS:
@@ -119,7 +127,7 @@ def group_baseline_advantages(
 ) -> tuple[Tensor, dict[str, float]]:
     """Advantages before any whitening: each depends on its own group only (what dynamic sampling may read).
 
-    grpo / gspo: (R - mean) / (std + eps), or R - mean without `normalize_std`; rloo: n / (n - 1) (R - mean);
+    grpo / gspo / cispo: (R - mean) / (std + eps), or R - mean without `normalize_std`; rloo: n / (n - 1) (R - mean);
     reinforce_plus_plus_baseline: R - mean; reinforce_plus_plus: R itself. Float64 inside: group statistics of many
     0/1 rewards stay exact enough to compare with references. Returns the dtype of `rewards` when floating, else
     float32, and the "adv/*" metrics.

@@ -14,7 +14,9 @@ of `CorrectionConfig` is one of its terms (the peer's name in brackets):
              geometric  (prod_t xi_t)^(1/T)    = exp(mean_t l_t)
            the log value is clamped to +-log_ratio_clamp before exp (the peers' SAFETY_BOUND, 20).
   weight   w = the level ratio, truncated to [is_lower, is_upper] in `truncate` mode (TIS; with is_lower > 0
-           slime's `clip`), left as it is in `mask` mode [verl rollout_is_threshold, slime tis_mode].
+           slime's `clip`), left as it is in `mask` mode [verl rollout_is_threshold, slime tis_mode], and set to
+           0 outside [is_lower, is_upper] in `icepop` mode (IcePop: the token keeps its place in the loss's
+           denominators, it is not rejected) [verl rollout_is_threshold "lower_upper", slime icepop_function].
   mask     `mask` mode rejects the tokens (token level) or whole sequences whose level ratio lies outside
            [is_lower, is_upper] (slime's MIS); token_mask_low / token_mask_high reject single tokens by xi_t
            (the authors' code); `rs` rejects by verl's statistics of the per-token KL estimators of
@@ -148,7 +150,8 @@ def sparsity_correction(
         vetoed (finite ones); veto_seq_frac: veto_seqs / seqs (verl's rollout_is_veto_fraction); veto_token_frac:
         tokens with xi < seq_veto (verl's rollout_is_catastrophic_token_fraction); nonfinite_seqs;
         xi_mean / xi_min / xi_max: of the clamped token ratio; truncate_frac / clip_low_frac: the weight's level
-        ratio above is_upper / below is_lower (truncated, or rejected in mask mode); mask_low_frac /
+        ratio above is_upper / below is_lower (truncated, rejected in mask mode, zeroed in icepop mode: their sum is
+        verl's rollout_is_oob_ratio); mask_low_frac /
         mask_high_frac: xi below / above the token-mask bounds; rs_<option>_token_frac / _seq_frac: tokens /
         sequences an `rs` option rejects (verl's rollout_rs_<option>_masked_fraction / _seq_masked_fraction);
         opsm_seq_frac: sequences OPSM rejects; is_mean / is_std / is_ess: mean, standard deviation and effective
@@ -173,9 +176,14 @@ def sparsity_correction(
     none = torch.zeros_like(valid)
     level_ratio = torch.exp(level_log_ratio(raw_log_xi, valid, cfg.is_level).clamp(-clamp, clamp))
     if cfg.is_weight:
-        weights = level_ratio.clamp(min=cfg.is_lower, max=cfg.is_upper) if cfg.is_mode == "truncate" else level_ratio
         above = valid & (level_ratio > cfg.is_upper) if cfg.is_upper is not None else none
         below = valid & (level_ratio < cfg.is_lower)
+        if cfg.is_mode == "truncate":
+            weights = level_ratio.clamp(min=cfg.is_lower, max=cfg.is_upper)
+        elif cfg.is_mode == "icepop":  # out of band: weight 0, the token still counted (verl's, not a rejection)
+            weights = torch.where(above | below, zero, level_ratio)
+        else:
+            weights = level_ratio
     else:
         weights, above, below = torch.ones_like(xi), none, none
     weights = torch.where(valid, weights, zero)

@@ -13,6 +13,9 @@ factories at their defaults).
            sequence vetoed if any RAW log xi_t < log(1e-4)
            w <- w / mean(w), the mean over every token of the ORIGINAL response mask (before any
            rejection), skipped when that mean <= 1e-8.
+  icepop IcePop (Ring-1T, arXiv 2510.18855) at verl's defaults (`decoupled_token_icepop`, verl #5722; slime's
+         `icepop_function`): w_t = xi_t where 0.5 <= xi_t <= 5.0, else 0, the token staying in the loss's
+         denominators (a zero weight, not a rejection).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from typing import Any, Callable, ClassVar, Mapping
 from slime_sparse.kv.presets import FromPreset, Preset
 
 LEVELS = ("token", "sequence", "geometric")
-MODES = ("truncate", "mask")
+MODES = ("truncate", "mask", "icepop")
 # verl's rejection statistics: "<where>_<estimator>"; where = token | seq_sum | seq_mean | seq_max
 RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
               "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
@@ -42,12 +45,16 @@ PRESETS: dict[str, Preset] = {
     "mis": Preset("the authors' released code: slime's mismatch helper in truncate mode (mis.yaml)",
                   dict(is_weight=True, is_upper=1.5, token_mask_low=0.5, token_mask_high=1.5, seq_veto=1e-4,
                        batch_normalize=True)),
+    "icepop": Preset("IcePop (Ring-1T, arXiv 2510.18855) at verl's defaults (= decoupled_token_icepop): w = xi "
+                     "inside [0.5, 5], 0 outside; slime: --custom-tis-function-path ...loss.icepop_function",
+                     dict(is_weight=True, is_mode="icepop", is_lower=0.5, is_upper=5.0)),
 }
 # verl's RolloutCorrectionConfig factories. The reinforce ones (bypass_pg_*) need verl's REINFORCE loss, which is
 # not ours; verl's `disabled` is `none`.
 VERL_PRESETS: dict[str, Preset] = {name: _verl(name, **values) for name, values in {
     "decoupled_token_is": dict(is_weight=True, is_upper=2.0),
     "decoupled_seq_is": dict(is_weight=True, is_level="sequence", is_upper=2.0),
+    "decoupled_token_icepop": dict(is_weight=True, is_mode="icepop", is_lower=0.5, is_upper=5.0),
     "decoupled_seq_is_rs": dict(is_weight=True, is_level="sequence", is_upper=2.0, rs=("seq_sum_k1",),
                                 rs_threshold=("0.5_2.0",)),
     "decoupled_geo_rs": dict(rs=("seq_mean_k1",), rs_threshold=("0.999_1.001",)),
@@ -140,7 +147,9 @@ class CorrectionConfig(FromPreset):
     is_mode: str = field(default="truncate", metadata={"help": (
         "truncate: the weight is bounded to [is-lower, is-upper] | mask: the weight is the ratio as it is and "
         "what lies outside the bounds is rejected, whole sequences at the sequence / geometric level (slime's "
-        "tis_mode; its `clip` is truncate with --correction-is-lower). mask needs --correction-is-upper")})
+        "tis_mode; its `clip` is truncate with --correction-is-lower) | icepop: the weight is the ratio inside the "
+        "bounds and 0 outside, the token staying in the loss's denominators (IcePop; verl's 'lower_upper' "
+        "rollout_is_threshold, slime's icepop_function). mask and icepop need --correction-is-upper")})
     token_mask_low: float | None = field(default=None, metadata={"help": (
         "reject tokens whose xi lies below; unset: off (slime's rs_lower_bound at rs_level token)")})
     token_mask_high: float | None = field(default=None, metadata={"help": (
@@ -173,7 +182,8 @@ class CorrectionConfig(FromPreset):
         "SAFETY_BOUND)")})
     preset: str = field(default="", metadata={
         "help": "a published setting to start from (other --correction-* flags override its knobs): none | paper | "
-                "mis (ours) | decoupled_token_is | decoupled_seq_is | decoupled_seq_is_rs | decoupled_geo_rs | "
+                "mis | icepop (ours) | decoupled_token_is | decoupled_seq_is | decoupled_token_icepop | "
+                "decoupled_seq_is_rs | decoupled_geo_rs | "
                 "decoupled_geo_rs_token_tis | decoupled_geo_rs_seq_tis | decoupled_k3_rs | decoupled_k3_rs_token_tis "
                 "| decoupled_k3_rs_seq_tis | bypass_ppo_clip | bypass_ppo_clip_geo_rs | bypass_ppo_clip_k3_rs "
                 "(verl's); unset: the knobs as given, which default to none's"})
@@ -261,8 +271,8 @@ class CorrectionConfig(FromPreset):
         if self.is_level != "token" and not self.is_weight:
             bad("is_level", self.is_level, "a weight level needs --correction-is-weight (rejection at the sequence "
                                            "level: --correction-rs seq_sum_k1 / seq_mean_k1)")
-        if self.is_mode == "mask" and not (self.is_weight and self.is_upper is not None):
-            bad("is_mode", self.is_mode, "mask mode needs --correction-is-weight and --correction-is-upper")
+        if self.is_mode != "truncate" and not (self.is_weight and self.is_upper is not None):
+            bad("is_mode", self.is_mode, f"{self.is_mode} mode needs --correction-is-weight and --correction-is-upper")
         if self.bypass_mode and self.is_weight:
             bad("bypass_mode", self.bypass_mode, "the PPO ratio pi_theta / pi_sparse already reweights the "
                                                  "sampler's tokens; --correction-is-weight would apply it twice")

@@ -11,6 +11,15 @@ GSPO (`ratio_level="sequence"`): r_t is the sequence's s_i = exp(mean_t log(pi_t
 token t of sequence i, so the clip acts on whole sequences; w_t is then a sequence-level weight too (the run
 config refuses a token-level one: `advantages.check_composition`).
 
+CISPO (`policy_loss_mode="cispo"`, MiniMax-M1 arXiv 2506.13585 eq. 4-5, slime's #2067 and verl's `cispo` loss mode):
+the ratio is clipped as a stop-gradient weight instead of clipping the surrogate, so no token loses its gradient:
+
+    pg_t  = - w_t * sg(clip(r_t, 1 - eps_low, 1 + eps_high)) * A * log pi_theta(y_t)
+
+(MiniMax-M1 sets no lower bound: --eps-clip 1.0, tuning --eps-clip-high; slime warns otherwise). Its value is not
+PPO's (it is a REINFORCE term), its gradient is sg(clip(r)) * A * grad log pi. `pg_clipfrac` counts the tokens whose
+ratio the clip changed, as slime and verl do.
+
 `agg` is one of slime's / verl's aggregation modes over the (post-rejection) mask, so rejected tokens
 leave the denominators too. Padded layout: every per-token tensor is [B, T] with a 0/1 mask [B, T].
 """
@@ -32,6 +41,9 @@ KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 # token: r_t = pi_theta / pi_old per token (PPO, GRPO). sequence: GSPO's s_i = exp(mean_t log r_t), one ratio per
 # sequence, set by --advantage-estimator gspo (slime's spelling; verl: policy_loss.loss_mode=gspo).
 RATIO_LEVELS = ("token", "sequence")
+# ppo_clip: PPO's clipped surrogate. cispo: CISPO's clipped stop-gradient weight on log pi (set by
+# --advantage-estimator cispo, slime's spelling; verl: policy_loss.loss_mode=cispo).
+POLICY_LOSS_MODES = ("ppo_clip", "cispo")
 
 # log(pi_theta / pi_old) is clamped before exp, as verl does: a ratio of e^20 is already absurd and an
 # inf ratio would turn the clipped branch's zero gradient into 0 * inf = NaN in backward.
@@ -73,6 +85,9 @@ class LossConfig:
     ratio_level: str = field(default="token", metadata={"help": (
         "token: PPO's ratio per token | sequence: GSPO's exp(mean_t log(pi_theta / pi_old)) per sequence. No flag "
         "of its own: --advantage-estimator gspo sets it")})
+    policy_loss_mode: str = field(default="ppo_clip", metadata={"help": (
+        "ppo_clip: PPO's clipped surrogate | cispo: CISPO's -sg(clip(r, 1 - eps_clip, 1 + eps_clip_high)) A log pi. "
+        "No flag of its own: --advantage-estimator cispo sets it (slime's spelling)")})
 
     @property
     def trains_shadow(self) -> bool:
@@ -104,7 +119,11 @@ class LossConfig:
         def bad(name: str, value: Any, why: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={value!r} is invalid: {why}")
 
-        if not (math.isfinite(self.eps_clip) and 0 < self.eps_clip < 1):
+        if self.policy_loss_mode == "cispo":  # CISPO's weight may go down to 0: MiniMax-M1's "no lower bound" is 1.0
+            if not (math.isfinite(self.eps_clip) and 0 < self.eps_clip <= 1):
+                bad("eps_clip", self.eps_clip, "must lie in (0, 1] under --advantage-estimator cispo (1: no lower "
+                                               "bound on the weight, MiniMax-M1's)")
+        elif not (math.isfinite(self.eps_clip) and 0 < self.eps_clip < 1):
             bad("eps_clip", self.eps_clip, "must lie in (0, 1) so that 1 - eps_clip > 0")
         if self.eps_clip_high is not None and not (math.isfinite(self.eps_clip_high) and self.eps_clip_high > 0):
             bad("eps_clip_high", self.eps_clip_high, "must be a finite number > 0 (or unset = --eps-clip)")
@@ -122,6 +141,14 @@ class LossConfig:
             bad("smd_kl_coef", self.smd_kl_coef, "must be a finite number >= 0")
         if self.ratio_level not in RATIO_LEVELS:
             bad("ratio_level", self.ratio_level, f"choose one of {RATIO_LEVELS}")
+        if self.policy_loss_mode not in POLICY_LOSS_MODES:
+            bad("policy_loss_mode", self.policy_loss_mode, f"choose one of {POLICY_LOSS_MODES}")
+        if self.policy_loss_mode == "cispo" and self.eps_clip_c is not None:
+            bad("eps_clip_c", self.eps_clip_c, "dual clip bounds PPO's clipped surrogate, which "
+                                               "--advantage-estimator cispo does not use (CISPO's weight is already "
+                                               "clipped; slime ignores it)")
+        if self.policy_loss_mode == "cispo" and self.ratio_level != "token":
+            bad("policy_loss_mode", self.policy_loss_mode, "CISPO clips a per-token ratio (GSPO's is per sequence)")
         if not math.isfinite(self.entropy_coef) or self.entropy_coef < 0:
             bad("entropy_coef", self.entropy_coef, "must be a finite number >= 0")
         if self.norm_len is not None and (
@@ -302,10 +329,15 @@ def policy_loss(
         log_ratio = seq.detach()[:, None] + logp_s - logp_s.detach()
     log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
-    pg_unclipped = -adv * ratio
-    pg_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    pg = torch.maximum(pg_unclipped, pg_clipped)
-    clip_active = pg_clipped > pg_unclipped  # slime's clipfrac: the clipped branch is the one taken
+    if cfg.policy_loss_mode == "cispo":
+        clipped = ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high).detach()
+        pg = -clipped * adv * logp_s  # the gradient flows through log pi only
+        clip_active = clipped != ratio.detach()  # slime's / verl's CISPO clipfrac
+    else:
+        pg_unclipped = -adv * ratio
+        pg_clipped = -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+        pg = torch.maximum(pg_unclipped, pg_clipped)
+        clip_active = pg_clipped > pg_unclipped  # slime's clipfrac: the clipped branch is the one taken
     if cfg.eps_clip_c is not None:
         pg_dual = -cfg.eps_clip_c * adv
         dual_active = (adv < 0) & (pg > pg_dual)

@@ -165,6 +165,19 @@ def mismatch_split_metrics(logp_old: Tensor, logp_shadow: Tensor, logp_sparse: T
             **_floats(log_ratio_stats(part(shadow, sparse), valid, **kw), "mismatch/numeric/")}
 
 
+def mismatch_staleness_metrics(logp_old: Tensor, logp_then: Tensor, mask: Tensor, *,
+                               token_bounds: tuple[float | None, float | None] = (0.5, 1.5), veto: float = 1e-4
+                               ) -> dict[str, float]:
+    """Under --async, the part of the mismatch the weights' move made: l = logp_old - logp_then per token, pi_old
+    the learner's dense recompute now, pi_then the dense policy of the weights that sampled (the sampler's version),
+    logged with `log_ratio_stats` as mismatch/staleness/<stat> over the masked tokens where both are finite. The rest
+    of log xi, logp_then - logp_sparse, is the mismatch a synchronous run would have (sparsity + numeric)."""
+    old, then, on = mismatch_inputs(logp_old, logp_then, mask)
+    valid = on & torch.isfinite(old) & torch.isfinite(then)
+    diff = torch.where(valid, old.double() - then.double(), torch.zeros((), dtype=torch.float64, device=old.device))
+    return _floats(log_ratio_stats(diff, valid, token_bounds=token_bounds, veto=veto), "mismatch/staleness/")
+
+
 @dataclass(frozen=True)
 class Alarm:
     """A documented alarm on a logged metric: it fires when the value leaves [low, high]."""

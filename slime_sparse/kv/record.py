@@ -117,6 +117,29 @@ class EvictionRecord:
                 kept[layer].append(held[chosen].view(n_heads, -1))
         return [torch.stack([_pad_to(k, b) for k in ks]) for ks, b in zip(kept, self.layer_budgets)]
 
+    def keep_bits_by_event(self) -> list[tuple[int, list[Tensor]]]:
+        """Per compression in order: (tokens run before it, per stored layer its [H', |H_e,l|] bool keep bits over the
+        slots it chose from, in position order). What an engine replays to rebuild a cache the record describes
+        (a partial rollout's continuation) and what `packed_events` re-packs."""
+        n_layers, n_heads, _ = self.shape
+        bits = unpack_bits(self.keep_bits)
+        out, kept, offset = [], None, 0
+        for e in range(self.starts.numel()):
+            layers = []
+            for layer, held in enumerate(_held_from(self.starts, e, kept, n_layers, n_heads)):
+                layers.append(bits[offset: offset + held.numel()].view(held.shape))
+                offset += held.numel()
+            kept = [held[chosen].view(n_heads, -1) for held, chosen in
+                    zip(_held_from(self.starts, e, kept, n_layers, n_heads), layers)]
+            out.append((int(self.starts[e]), layers))
+        return out
+
+    def packed_events(self) -> list[tuple[int, np.ndarray, int]]:
+        """The compressions as `from_keep_bits` takes them, (start, packed bits, how many): a record continued by
+        more compressions (a partial rollout's) is rebuilt from these and the new ones."""
+        return [(start, np.packbits(torch.cat([b.flatten() for b in layers]).numpy(), bitorder="little"),
+                 sum(b.numel() for b in layers)) for start, layers in self.keep_bits_by_event()]
+
     def kept_positions(self) -> Tensor:
         """[E, L', H', B] int64: the positions each compression kept (one budget for every layer; else see
         `kept_by_layer`)."""

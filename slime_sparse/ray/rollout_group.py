@@ -30,6 +30,7 @@ from ray.exceptions import RayActorError
 
 from slime_sparse.factory import EngineSpec, build_engine
 from slime_sparse.rollout.base import KVView
+from slime_sparse.rollout.partial import PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.device import dist_backend
@@ -103,8 +104,9 @@ class EngineWorker:
         return 1
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int, index_offset: int,
-                 kv=None) -> list[GenerationOutput]:
-        return self.engine.generate(prompts, params, seed=seed, index_offset=index_offset, kv=kv)
+                 kv=None, partial=None) -> list[GenerationOutput]:
+        return self.engine.generate(prompts, params, seed=seed, index_offset=index_offset, kv=kv,
+                                    **({} if partial is None else {"partial": partial}))
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load a full state dict as `version` (must be newer than the one held); returns the version held."""
@@ -191,26 +193,29 @@ class RayRolloutGroup:
         return self._version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None,
-                 index_offset: int = 0, *, kv=None) -> list[GenerationOutput]:
+                 index_offset: int = 0, *, kv=None, partial: PartialSpec | None = None) -> list[GenerationOutput]:
         """One output per prompt, in order; `kv` overrides the engines' KV config (evaluation); `index_offset` as in
-        `RolloutEngine.generate` (the shards add their own)."""
+        `RolloutEngine.generate` (the shards add their own); `partial` (--partial-rollout): shards cut at group
+        boundaries, each engine stopping after its share of the groups (rounded up)."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())  # one seed for every shard, like one engine
         if self.cluster.layout.colocate:
             self._on_all("resume_memory")
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
-        tasks = {}  # in-flight ref -> (engine index, shard)
-        for i, shard in enumerate(split_contiguous(len(prompts), self.num_engines)):
+        tasks = {}  # in-flight ref -> (engine index, shard, its partial spec)
+        shards = [(shard, None) for shard in split_contiguous(len(prompts), self.num_engines)] if partial is None \
+            else partial.check(prompts).shards(self.num_engines)
+        for i, (shard, part) in enumerate(shards):
             if shard:
-                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset)] = (i, shard)
+                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset, part)] = (i, shard, part)
         restarts = 0
         while tasks:
             ready, _ = ray.wait(list(tasks), num_returns=1, timeout=self.timeout_s)
             if not ready:
-                late = sorted(i for i, _ in tasks.values())
+                late = sorted(i for i, *_ in tasks.values())
                 raise TimeoutError(f"rollout: engines {late} produced nothing for {self.timeout_s:.0f} s "
                                    "(--ray-timeout)")
-            i, shard = tasks.pop(ready[0])
+            i, shard, part = tasks.pop(ready[0])
             try:
                 outputs[shard.start:shard.stop] = get(ready[0], f"rollout shard of engine {i}", self.timeout_s)
             except RayActorError as exc:
@@ -221,7 +226,7 @@ class RayRolloutGroup:
                 logger.warning("engine %d died mid-rollout (%s): restarting it and re-sending its %d prompts",
                                i, type(exc).__name__, len(shard))
                 self._restart(i)
-                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset)] = (i, shard)
+                tasks[self._submit(i, prompts, shard, params, seed, kv, index_offset, part)] = (i, shard, part)
         if self.cluster.layout.colocate:
             self._on_all("release_memory")
         return outputs  # type: ignore[return-value]
@@ -298,9 +303,9 @@ class RayRolloutGroup:
         return self._actor_cls.options(**self.cluster.actor_options(bundle)).remote(
             self.spec, i, self.timeout_s, **self._worker_kwargs[i])
 
-    def _submit(self, i: int, prompts, shard: range, params, seed: int, kv, index_offset: int = 0):
+    def _submit(self, i: int, prompts, shard: range, params, seed: int, kv, index_offset: int = 0, partial=None):
         return self.engines[i].generate.remote(prompts[shard.start:shard.stop], params, seed,
-                                               index_offset + shard.start, kv)
+                                               index_offset + shard.start, kv, *([] if partial is None else [partial]))
 
     def _restart(self, i: int) -> None:
         """Replace engine i by a fresh actor in its bundle holding the current weights."""

@@ -22,6 +22,11 @@ class RolloutPlan:
 
     trains_shadow: bool = False  # --loss-type shadow / smd: the PPO term trains the sampler's masked policy
     metrics_due: bool = True  # the mismatch diagnostics that cost an extra forward (--mismatch-metrics-interval)
+    # --async: pi_old is recomputed when the rollout is trained (the learner's weights then), not by the rollout
+    # function, which runs while the learner trains on the previous rollout
+    defer_old: bool = False
+    # --mask-offpolicy-in-partial-rollout: a continued sample's tokens from before its last continuation get no loss
+    mask_offpolicy: bool = False
 
     @property
     def mismatch_split(self) -> bool:

@@ -32,6 +32,7 @@ from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigg
 from slime_sparse.kv import engine_memory
 from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout.base import KVView, WeightSource
+from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
@@ -203,30 +204,37 @@ class EmbeddedEngine:
     # ---- generation ----
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None, index_offset: int = 0, *,
-        kv: KVCompressConfig | None = None,
+        kv: KVCompressConfig | None = None, partial: PartialSpec | None = None,
     ) -> list[GenerationOutput]:
         """`index_offset`: where these prompts sit in a larger call split across engines, so that sample
         i always draws from the random stream of (seed, index_offset + i) whichever engine runs it.
-        `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`)."""
+        `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`).
+        `partial` (--partial-rollout): stop once enough groups finished, the rest handed out with finish_reason
+        "abort"; and continue earlier aborted outputs (their own streams and eviction records) where it says so."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
         accepted = self._check_prompts(prompts, outputs)
+        partial = partial.check(prompts) if partial is not None else None
+        stop = partial.stop(accepted) if partial is not None else None
         if accepted:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
-            sequences = [Sequence(index=i, prompt=[int(t) for t in prompts[i]], key=derive_seed(seed, index_offset + i))
+            resume = partial.resume if partial is not None else [None] * len(prompts)
+            sequences = [Sequence.continuing(i, resume[i]) if resume[i] is not None else
+                         Sequence(index=i, prompt=[int(t) for t in prompts[i]], key=derive_seed(seed, index_offset + i))
                          for i in accepted]
             with torch.inference_mode(), budget_attention_installed(self.model):
-                self._generate(sequences, params, self.kv if kv is None else kv, outputs)
+                self._generate(sequences, params, self.kv if kv is None else kv, outputs, stop)
         return outputs  # type: ignore[return-value]
 
     def _generate(self, sequences: list[Sequence], params: SamplingParams, kv: KVCompressConfig,
-                  outputs: list[GenerationOutput | None]) -> None:
+                  outputs: list[GenerationOutput | None], stop: GroupStop | None = None) -> None:
         context = self.model.config.max_position_embeddings
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
-        shape = self._runner_shape(kv, longest, len(sequences), max(len(s.prompt) for s in sequences), params)
+        prefill = max(len(s.prefill_tokens) for s in sequences)  # a continuation prefills its response so far too
+        shape = self._runner_shape(kv, longest, len(sequences), prefill, params)
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
@@ -241,7 +249,7 @@ class EmbeddedEngine:
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
                   set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace, max_running=shape.rows).run(outputs)
+                  self._weight_version, stats, self.kv_trace, stop, max_running=shape.rows).run(outputs)
         stats.captures = runner.captures - captures
 
     def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int, prompt: int | None = None,

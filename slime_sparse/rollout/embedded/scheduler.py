@@ -11,6 +11,7 @@ compresses and when a sequence ends (nano-vllm's Scheduler, without pages).
 - Decoding runs in windows of `readback` steps; between steps, every row that reached its trigger is compressed in one
   batched call (`runner.compress`); a window's tokens come back without waiting (on CUDA the previous window is
   handed out while this one runs), so the host learns a sequence ended up to two windows late.
+- Partial rollouts: once `stop` holds, the rest is aborted as it stands; continuations: continuation.py.
 """
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ from torch import Tensor
 
 from slime_sparse.kv import KVCompressConfig, should_compress
 from slime_sparse.kv.engine_memory import FIRST_TOKEN_ROWS, PREFILL_TOKENS
+from slime_sparse.rollout.partial import GroupStop
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.faults import fault_point
 
+from .continuation import prefilled
 from .runner import ModelRunner
 from .sequence import KVTraceRecord, Sequence
 from .step import bucket_for
@@ -58,6 +61,7 @@ class Scheduler:
     weight_version: int
     stats: GenerateStats
     trace: Callable[[KVTraceRecord], None] | None = None
+    stop: GroupStop | None = None  # --partial-rollout: abort the rest once this many groups finished
     max_running: int | None = None  # sequences decoded at once (None: every cache row; fewer when the call admits fewer)
     running: list[Sequence] = field(default_factory=list)  # running[r] lives in cache row r
     pending: deque[_Readback] = field(default_factory=deque)
@@ -73,7 +77,7 @@ class Scheduler:
         for row in range(rows):
             self._park(row)
         rows = min(rows, self.max_running or rows)
-        while self.waiting or self.running:
+        while (self.waiting or self.running) and not (self.stop is not None and self.stop.reached):
             admitted: list[Sequence] = []
             while self.waiting and len(self.running) + len(admitted) < rows:
                 admitted.append(self.waiting.popleft())
@@ -83,6 +87,8 @@ class Scheduler:
             if self.running:
                 self._decode_window()
                 self._retire(outputs)
+        if self.waiting or self.running:  # the stop rule was met (--partial-rollout)
+            self._abort(outputs)
 
     # ---- prefill ----
     def _admit(self, admitted: list[Sequence]) -> None:
@@ -93,9 +99,9 @@ class Scheduler:
         of that row once the prompt is done, before any decode-time compression, so they continue from the very cache
         they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
         """
-        groups: dict[tuple[int, ...], list[Sequence]] = {}
-        for seq in admitted:
-            groups.setdefault(tuple(seq.prompt), []).append(seq)
+        groups: dict[tuple, list[Sequence]] = {}
+        for seq in admitted:  # a continuation prefills its own tokens: a group of its own
+            groups.setdefault((seq.index,) if seq.resumed_at else tuple(seq.prompt), []).append(seq)
         leaders = [group[0] for group in groups.values()]
         first = len(self.running)
         self.running += leaders + [f for group in groups.values() for f in group[1:]]
@@ -108,12 +114,12 @@ class Scheduler:
         for row in range(first, len(self.running)):
             self.runner.reset_row(row)
             table.fill[:, row], table.seen[row], table.issued[row] = 0, 0, 0
-        prefill = sum(len(s.prompt) for s in leaders)
+        prefill = sum(len(s.prefill_tokens) for s in leaders)
         self.stats.prefill_tokens += prefill
-        self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
+        self.stats.prefill_tokens_saved += sum(len(s.prefill_tokens) for s in admitted) - prefill
         # at most PREFILL_TOKENS prompt tokens per forward (whole rows, each chunk padded to the widest): a bounded,
         # counted working set (kv/engine_memory.py) however many rows are admitted at once
-        per_forward = max(1, PREFILL_TOKENS // max(min(len(s.prompt), self.capacity) for s in leaders))
+        per_forward = max(1, PREFILL_TOKENS // max(min(len(s.prefill_tokens), self.capacity) for s in leaders))
         for start in range(0, len(leaders), per_forward):
             self._prefill(leaders[start : start + per_forward], first + start, rows_of)
 
@@ -122,7 +128,7 @@ class Scheduler:
         demands it, with compressions in between), then start their groups decoding."""
         table = self.table
         lead_rows = list(range(first, first + len(leaders)))
-        while any(s.processed < len(s.prompt) for s in leaders):
+        while any(s.processed < len(s.prefill_tokens) for s in leaders):
             room = [self.capacity - int(table.fill[:, r].max()) for r in lead_rows]
             chunks = [s.pending_prompt(r) for s, r in zip(leaders, room)]
             fault_point("engine.step")  # chaos tests: a kill mid-rollout (prefill or decode)
@@ -139,7 +145,9 @@ class Scheduler:
                 seq.prefill_peak = max(seq.prefill_peak, int(table.fill[:, row].max()))
                 group = [self.running[r] for r in rows_of[id(seq)]]
                 self._trace(row, group, range(seq.processed - len(chunk), seq.processed))
-                if seq.processed < len(seq.prompt):
+                if seq.resumed_at:  # a continuation compresses where its record says, and only there
+                    prefilled(self.runner, table, seq, row, self.params, self.context)
+                elif seq.processed < len(seq.prompt):
                     if should_compress(int(table.fill[:, row].max()), self.kv):  # a long prompt, in chunks
                         cut.append((row, [seq]))
                 else:
@@ -188,6 +196,22 @@ class Scheduler:
                 if not member.finished:
                     self.runner.copy_row(lead_row, row, int(table.fill[:, lead_row].max()))
                     table.fill[:, row], table.seen[row] = table.fill[:, lead_row], table.seen[lead_row]
+
+    def _abort(self, outputs: list[GenerationOutput | None]) -> None:
+        """Hand out every unfinished sequence as it stands (finish_reason "abort"), every token read back."""
+        while self.pending:
+            self._process(self.pending.popleft())
+        self._retire(outputs)
+        for row, seq in [*enumerate(self.running), *((None, seq) for seq in self.waiting)]:
+            outputs[seq.index] = self._output(row, seq, aborted=True)
+        self.running, self.waiting = [], deque()
+
+    def _output(self, row: int | None, seq: Sequence, aborted: bool = False) -> GenerationOutput:
+        """What `seq` in `row` (None: never admitted) hands out (KV logs: this call's tokens)."""
+        a, n, record, t = seq.resumed_at, len(seq.response), self.runner.compressor, self.table
+        kept, peak = ([], []) if row is None else (t.kept_log[row, a:n].tolist(), t.peak_log[row, a:n].tolist())
+        return seq.output(self.weight_version, kept, peak, self.runner.cache.num_layers,
+                          record.record_shape if record else None, record.record_budgets if record else None, aborted)
 
     # ---- decode ----
     def _decode_window(self) -> None:
@@ -273,16 +297,13 @@ class Scheduler:
     # ---- rows ----
     def _retire(self, outputs: list[GenerationOutput | None]) -> None:
         """Hand out finished sequences; keep the running ones in rows [0, n) by moving the last row down."""
-        record = self.runner.compressor
         for row in range(len(self.running) - 1, -1, -1):
             seq = self.running[row]
             if not seq.finished:
                 continue
-            n = len(seq.response)
-            outputs[seq.index] = seq.output(
-                self.weight_version, self.table.kept_log[row, :n].tolist(), self.table.peak_log[row, :n].tolist(),
-                self.runner.cache.num_layers, record.record_shape if record else None,
-                record.record_budgets if record else None)
+            outputs[seq.index] = self._output(row, seq)
+            if self.stop is not None:
+                self.stop.finished(seq.index)
             last = len(self.running) - 1
             if row != last:
                 self.runner.copy_row(last, row, int(self.table.fill[:, last].max()), with_state=True)

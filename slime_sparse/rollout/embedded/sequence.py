@@ -24,18 +24,44 @@ class Sequence:
     # the decode loop learns that a sequence ended a few steps late, so compressions after its end may trail here
     # (`output` drops them)
     evictions: list[tuple[int, Any, int]] = field(default_factory=list)
+    # a continuation (--partial-rollout): the aborted output it continues, whose response it starts with; its prefill
+    # runs prompt + response[:-1] and replays the output's compressions (`replay`, in order) where they happened
+    resumed: GenerationOutput | None = None
+    replay: list[tuple[int, list]] = field(default_factory=list)  # (start, per stored layer [H', n] keep bits) left
+
+    @classmethod
+    def continuing(cls, index: int, out: GenerationOutput) -> "Sequence":
+        """The continuation of an aborted output (finish_reason "abort"): its tokens, log-probs and random stream."""
+        seq = cls(index=index, prompt=list(out.prompt_ids), key=int(out.stream_key), response=list(out.response_ids),
+                  logprobs=list(out.logprobs), resumed=out)
+        seq.replay = out.evictions.keep_bits_by_event() if out.evictions is not None else []
+        return seq
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.response)
 
     @property
+    def resumed_at(self) -> int:
+        """Response tokens it had when this call began (0 unless a continuation)."""
+        return len(self.resumed.response_ids) if self.resumed is not None else 0
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What its prefill runs: the prompt, and a continuation's tokens but the last (its first decode input)."""
+        return self.prompt + self.response[:-1] if self.resumed_at else self.prompt
+
+    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     def pending_prompt(self, room: int) -> list[int]:
-        """The next prompt tokens to prefill, at most `room` of them."""
-        return self.prompt[self.processed : min(len(self.prompt), self.processed + room)]
+        """The next tokens to prefill, at most `room` of them, and not past the next compression to replay."""
+        tokens = self.prefill_tokens
+        end = min(len(tokens), self.processed + room)
+        if self.replay:
+            end = min(end, self.replay[0][0])
+        return tokens[self.processed : end]
 
     def append(self, token: int, logprob: float) -> None:
         self.response.append(token)
@@ -43,29 +69,36 @@ class Sequence:
 
     def output(self, weight_version: int, kept: list[int], peak: list[int], num_layers: int,
                record_shape: tuple[int, int, int] | None = None,
-               record_budgets: tuple[int, ...] | None = None) -> GenerationOutput:
-        """kept[t] / peak[t]: slots summed over the layers / in the fullest layer when response token t was sampled
-        (its logits' context). KV stats count slots per layer: the layer mean (exact under one budget).
-        record_shape / record_budgets: the eviction record's (the compressor's)."""
+               record_budgets: tuple[int, ...] | None = None, aborted: bool = False) -> GenerationOutput:
+        """kept[t] / peak[t]: slots summed over the layers / in the fullest layer when response token
+        resumed_at + t was sampled (its logits' context). KV stats count slots per layer: the layer mean (exact
+        under one budget). record_shape / record_budgets: the eviction record's (the compressor's). `aborted`: cut
+        before its end (--partial-rollout): finish_reason "abort", every compression kept (the next token runs after
+        them all)."""
         p, n = len(self.prompt), len(self.response)
+        prior = self.resumed
         # a compression counts if a later token ran after it: it happened after start tokens were run, and the
-        # last token the sequence ran is its (length - 2)-th
-        events = [(start, packed.bits[i].numpy(), packed.nbits) for start, packed, i in self.evictions
-                  if start < self.length - 1]
+        # last token the sequence ran is its (length - 2)-th (an aborted one's next token runs at length - 1)
+        last = self.length - 1 if aborted else self.length - 2
+        events = (prior.evictions.packed_events() if prior is not None and prior.evictions is not None else []) + [
+            (start, packed.bits[i].numpy(), packed.nbits) for start, packed, i in self.evictions if start <= last]
+        if prior is not None and prior.evictions is not None:
+            record_shape, record_budgets = prior.evictions.shape, prior.evictions.budgets
         kv = KVStats(
             dense_kv_tokens=n * p + n * (n - 1) // 2,  # token t was sampled from p + t tokens of context
-            kept_kv_tokens=round(sum(kept) / num_layers),
-            peak_kv_tokens=max([self.prefill_peak, *peak]),
+            kept_kv_tokens=round(sum(kept) / num_layers) + (prior.kv.kept_kv_tokens if prior is not None else 0),
+            peak_kv_tokens=max([self.prefill_peak, *peak, prior.kv.peak_kv_tokens if prior is not None else 0]),
             compressions=len(events),
         )
         return GenerationOutput(
             prompt_ids=list(self.prompt),
             response_ids=list(self.response),
             logprobs=list(self.logprobs),
-            finish_reason=self.finish_reason or "length",
+            finish_reason="abort" if aborted else self.finish_reason or "length",
             kv=kv,
             weight_version=weight_version,
             evictions=EvictionRecord.from_keep_bits(events, record_shape, record_budgets) if events else None,
+            stream_key=self.key,
         )
 
 
