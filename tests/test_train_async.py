@@ -139,12 +139,14 @@ def test_partial_rollouts_in_the_async_loop(assets, tmp_path):
     from slime_sparse.train import main
 
     run = tmp_path / "run"
-    assert main(run_args(assets, run, 4, *ASYNC, *PARTIAL, "--max-staleness", "1",
+    # --max-staleness 2: under --async every sample is already one version old, so a bound of 1 regenerates every
+    # carried group whose tokens came from an earlier rollout, and none is ever continued by newer weights
+    assert main(run_args(assets, run, 4, *ASYNC, *PARTIAL, "--max-staleness", "2",
                          "--mask-offpolicy-in-partial-rollout")) == 0
     rows = rollout_rows(run)
     assert sum(r["rollout/partial_continued"] for r in rows) > 0 and sum(r["rollout/partial_aborted"] for r in rows)
     ledger = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
-    assert max(r["staleness"] for r in ledger) <= 1
+    assert max(r["staleness"] for r in ledger) <= 2
     continued = [r for r in ledger if len(r["segments"]) > 1]
     assert continued, "no trained sample was continued across rollouts"
     assert any(r.get("rollout/offpolicy_masked_frac", 0) > 0 for r in rows)
