@@ -327,3 +327,14 @@ def test_the_adaptive_budget_needs_its_probes():
     with pytest.raises(ValueError, match="leave --kv-budget-max unset"):
         parse_config(base + ["--eval-prompt-data", "t.jsonl", "--kv-budget-max", "1024", "--rollout-engine", "sglang",
                              "--kv-granularity", "model"])
+
+
+def test_under_async_the_guard_probes_at_the_weight_updates(assets, tmp_path):
+    """--async: the probe needs idle engines, so a due probe waits for the next weight update (every 2 rollouts here)
+    and the rollouts between carry no drift/* probe metrics; the run's KV ledger is kept every rollout."""
+    run = tmp_path / "run"
+    assert main(guarded(assets, run, 4, "--async", "--rm-num-workers", "1", "--update-weights-interval", "2",
+                        "--drift-probe-interval", "1")) == 0
+    rows = rollout_rows(run)
+    assert [("drift/reward_gap" in r) for r in rows] == [False, True, False, True]  # at steps 2 and 4, the updates
+    assert all("drift/run_kv_savings" in r for r in rows)
