@@ -39,6 +39,8 @@ CPU_IMPORT_DEPS = (
     "executing==2.2.1", "jedi==0.20.0", "matplotlib-inline==0.2.2", "parso==0.8.7", "pexpect==4.8.0",
     "pickleshare==0.7.5", "prompt-toolkit==3.0.52", "ptyprocess==0.7.0", "pure-eval==0.2.3", "pygments==2.20.0",
     "stack-data==0.6.3", "traitlets==5.15.0", "wcwidth==0.7.0",
+    # a module SGLang loads imports attr at module level; a fresh `pip install -e ".[test]"` does not bring attrs
+    "attrs==26.1.0",
 )
 
 _TORCHVISION_STUB = '''"""Stand-in for torchvision: SGLang imports it at module level; the real wheel needs its own torch."""
