@@ -12,7 +12,8 @@ above the longest possible sequence): the cache holds the whole sequence, exactl
 KV memory: given `kv_cache_gib`, the engine decodes as many sequences at once as rows of the method's size fit in it
 (a compressed row holds budget + buffer slots, a dense one the whole sequence), so compression becomes concurrency.
 
-Random streams: sample i of a call seeded `seed` draws its t-th token from counter_uniform(derive_seed(seed, i), t),
+Random streams: sample i of a call seeded `seed` draws its t-th token with the Gumbel noise of
+counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`),
 so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
 """
 from __future__ import annotations
