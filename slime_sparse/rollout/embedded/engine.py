@@ -18,6 +18,7 @@ so its tokens do not depend on the batch it runs in, on the step mode, or on how
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections import deque
 from typing import Callable, Mapping
@@ -32,14 +33,17 @@ from slime_sparse.types import GenerationOutput, KVStats
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
-from .attention import budget_attention_installed
+from .attention import budget_attention_installed, pick_decode_attention
 from .contract import check_model, eos_ids
+from .decode_body import DecodeBody
+from .decode_body import build as build_body
 from .runner import ModelRunner, RunnerShape, row_bytes
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
 
+logger = logging.getLogger(__name__)
 LONG_PROMPT_POLICIES = ("error", "skip")
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
@@ -66,6 +70,12 @@ class EmbeddedEngine:
     fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
     kv_cache_gib: KV memory for the cache (--rollout-kv-cache-gib): the engine decodes as many sequences at once as
       rows of the KV config's size fit in it (at most max_batch_size, if given). None: max_batch_size rows.
+    decode_attention: how decode steps attend: "triton" (a split-KV kernel that reads each row's length; the default on
+      CUDA where Triton imports and the kernel passes its self-check against SDPA) or "sdpa" (a mask over the padded
+      span; the default elsewhere).
+    hf_decode: decode through HF's modules, as prefill does, instead of our decode body (decode_body.py: fused
+      projections, fewer kernels; Qwen2 / Llama). Models the body does not know decode through HF's modules anyway
+      (`decode_body_reason` says why).
     """
 
     def __init__(
@@ -83,6 +93,8 @@ class EmbeddedEngine:
         readback_interval: int | None = None,
         fp32_lm_head: bool = False,
         kv_cache_gib: float | None = None,
+        decode_attention: str | None = None,
+        hf_decode: bool = False,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
         if max_batch_size is None and kv_cache_gib is None:
@@ -97,7 +109,7 @@ class EmbeddedEngine:
             raise ValueError(f"on_long_prompt={on_long_prompt!r} is invalid: choose one of {LONG_PROMPT_POLICIES}")
         self.device = torch.device(device)
         step_mode = step_mode or ("cuda_graph" if self.device.type == "cuda" else "eager")
-        if step_mode not in STEP_MODES or (step_mode == "cuda_graph" and self.device.type != "cuda"):
+        if step_mode not in STEP_MODES or (step_mode.startswith("cuda_graph") and self.device.type != "cuda"):
             raise ValueError(f"step_mode={step_mode!r} is invalid on {self.device.type}: choose one of {STEP_MODES} "
                              "(cuda_graph needs a CUDA device; --rollout-disable-cuda-graph runs eagerly)")
         if readback_interval is None:
@@ -109,6 +121,10 @@ class EmbeddedEngine:
         self.model = load_model(model_or_path, self.device, dtype)
         check_model(self.model)
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
+        self.decode_attention = pick_decode_attention(decode_attention, self.device)
+        self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
+        if self.decode_body_reason is not None and not hf_decode:
+            logger.info("decoding through HF's modules: %s", self.decode_body_reason)
         self.fp32_lm_head = fp32_lm_head
         self.max_batch_size = max_batch_size
         self.kv_cache_gib = kv_cache_gib
@@ -208,11 +224,14 @@ class EmbeddedEngine:
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
         shape = self._runner_shape(kv, longest, len(sequences))
+        if self._decode_body is not None and self._decode_body.stale():  # a conversion replaced the weights' data
+            self._decode_body, self._runner = DecodeBody(self.model), None  # fuse again; the graphs read old tensors
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits)
+            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits, self._decode_body,
+                                       self.decode_attention)
         runner = self._runner
         stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
         captures = runner.captures

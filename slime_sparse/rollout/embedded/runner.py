@@ -52,7 +52,8 @@ def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dt
 
 class ModelRunner:
     def __init__(self, model: nn.Module, shape: RunnerShape, budgets: tuple[int, ...], device: torch.device,
-                 logits: Callable[[Tensor], Tensor]) -> None:
+                 logits: Callable[[Tensor], Tensor], decode_body: Callable | None = None,
+                 decode_attention: str = "sdpa") -> None:
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = shape.kv
@@ -62,9 +63,10 @@ class ModelRunner:
             num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1)
+        self.cache.decode_backend = decode_attention
         self.state = DecodeState.allocate(shape.rows, shape.readback, device)
-        self.graphs = CapturedGraphs() if shape.mode == "cuda_graph" else None
-        self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs)
+        self.graphs = CapturedGraphs() if shape.mode.startswith("cuda_graph") else None
+        self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs, decode_body)
         self.compressor = Compressor(self.cache, kv, budgets, self.graphs) if kv.enabled else None
         self.buckets, self.span_granularity = decode_shapes(shape.mode, shape.rows)
 
