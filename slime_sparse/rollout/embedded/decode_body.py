@@ -14,6 +14,7 @@ replaces a parameter's data (`model.to(dtype)`) is noticed by `stale()` and the 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from .attention import decode_layer
 from .cache import BudgetKVCache
 
+logger = logging.getLogger(__name__)
 ARCHITECTURES = ("qwen2", "llama")
 _DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence length: a fixed table cannot hold it
 
@@ -176,4 +178,7 @@ class DecodeBody:
 def build(model: nn.Module) -> tuple[DecodeBody | None, str | None]:
     """(the body, None), or (None, why not): the engine decodes through HF's body then."""
     reason = unsupported(model)
-    return (DecodeBody(model), None) if reason is None else (None, reason)
+    if reason is not None:
+        logger.info("decoding through HF's modules: %s", reason)
+        return None, reason
+    return DecodeBody(model), None

@@ -18,7 +18,6 @@ so its tokens do not depend on the batch it runs in, on the step mode, or on how
 """
 from __future__ import annotations
 
-import logging
 import os
 from collections import deque
 from typing import Callable, Mapping
@@ -43,7 +42,6 @@ from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
 
-logger = logging.getLogger(__name__)
 LONG_PROMPT_POLICIES = ("error", "skip")
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
@@ -61,8 +59,9 @@ class EmbeddedEngine:
     kv_trace: optional callback receiving a KVTraceRecord per sequence per forward (tests, debugging; it makes
       decoding step by step and eager).
     step_mode: how decode steps run: "cuda_graph" (one CUDA graph per padded batch size and span, captured on first
-      use; the default on CUDA), "compile" (torch.compile(fullgraph=True)) or "eager" (the default on CPU, where
-      compiling does not pay: benchmarks/README.md). Every mode computes the same step.
+      use; the default on CUDA), "cuda_graph_compile" (those graphs capture the step compiled by inductor),
+      "compile" (torch.compile(fullgraph=True)) or "eager" (the default on CPU, where compiling does not pay:
+      benchmarks/README.md). Every mode computes the same step.
     readback_interval: decode steps between two reads of the sampled tokens. Each read is a copy that does not
       wait: the host learns a sequence ended up to two windows late, and its row computes throwaway tokens until
       then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
@@ -70,12 +69,10 @@ class EmbeddedEngine:
     fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
     kv_cache_gib: KV memory for the cache (--rollout-kv-cache-gib): the engine decodes as many sequences at once as
       rows of the KV config's size fit in it (at most max_batch_size, if given). None: max_batch_size rows.
-    decode_attention: how decode steps attend: "triton" (a split-KV kernel that reads each row's length; the default on
-      CUDA where Triton imports and the kernel passes its self-check against SDPA) or "sdpa" (a mask over the padded
-      span; the default elsewhere).
-    hf_decode: decode through HF's modules, as prefill does, instead of our decode body (decode_body.py: fused
-      projections, fewer kernels; Qwen2 / Llama). Models the body does not know decode through HF's modules anyway
-      (`decode_body_reason` says why).
+    decode_attention: "triton" (a split-KV kernel reading each row's length; the default on CUDA if it passes its
+      self-check against SDPA) or "sdpa" (a mask over the padded span; the default elsewhere).
+    hf_decode: decode through HF's modules (as prefill does), not our decode body (decode_body.py; Qwen2 / Llama:
+      other models always use HF's modules, `decode_body_reason` says why).
     """
 
     def __init__(
@@ -123,8 +120,6 @@ class EmbeddedEngine:
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.decode_attention = pick_decode_attention(decode_attention, self.device)
         self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
-        if self.decode_body_reason is not None and not hf_decode:
-            logger.info("decoding through HF's modules: %s", self.decode_body_reason)
         self.fp32_lm_head = fp32_lm_head
         self.max_batch_size = max_batch_size
         self.kv_cache_gib = kv_cache_gib
