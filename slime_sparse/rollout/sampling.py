@@ -101,11 +101,6 @@ def truncate(tempered: Tensor, params: SamplingParams) -> Tensor:
     return apply_top_p(apply_top_k(tempered, params.top_k), params.top_p)
 
 
-def _lsr(z: Tensor, shift: int) -> Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it copies the sign bit)."""
-    return (z >> shift) & ((1 << (64 - shift)) - 1)
-
-
 def _signed(c: int) -> int:
     """A 64-bit constant as the int64 with the same bits."""
     return c - (1 << 64) if c >= 1 << 63 else c
@@ -115,52 +110,58 @@ _GOLDEN, _MIX1, _MIX2, _VOCAB_STEP = (_signed(c) for c in (0x9E3779B97F4A7C15, 0
                                                            0xD1B54A32D192ED03))
 
 
+def _mix(z: Tensor) -> Tensor:
+    """Two xorshift-multiply rounds of splitmix64's finaliser, in int64 that wraps like uint64. The shifts are torch's
+    arithmetic ones (one op each instead of two for a logical shift): the sign bit is lost once per round, a map from
+    64 bits to 63, and the multiply spreads what is left over the high bits that are read out."""
+    z = (z ^ (z >> 30)) * _MIX1
+    return (z ^ (z >> 27)) * _MIX2
+
+
 def counter_stream(keys: Tensor, counters: Tensor) -> Tensor:
     """[n] int64: the state of token `counters[i]` of the sample keyed `keys[i]`, a pure function of the two.
 
-    splitmix64's finaliser over key + (counter + 1) * golden ratio, in int64 arithmetic that wraps like uint64
-    (`counter_stream_reference`: the same in Python integers). Keyed by the sample's stream key
-    (`derive_seed(seed, sample index)`) and the token's index in the response, a sample's draws depend on nothing
-    else: not the batch row, the batch size, the step, nor a generator's state, so the decode step that draws them
-    can be captured in a CUDA graph and compiled.
+    Keyed by the sample's stream key (`derive_seed(seed, sample index)`) and the token's index in the response, a
+    sample's draws depend on nothing else: not the batch row, the batch size, the step, nor a generator's state, so
+    the decode step that draws them can be captured in a CUDA graph and compiled (`counter_stream_reference`: the
+    same in Python integers).
     """
-    z = keys.to(torch.int64) + (counters.to(torch.int64) + 1) * _GOLDEN
-    z = (z ^ _lsr(z, 30)) * _MIX1
-    z = (z ^ _lsr(z, 27)) * _MIX2
-    return z ^ _lsr(z, 31)
+    return _mix(torch.add(keys, counters, alpha=_GOLDEN))
 
 
 def gumbel_noise(streams: Tensor, vocab: int) -> Tensor:
     """[n, V] float32 standard Gumbel noise, entry (i, v) a pure function of (streams[i], v).
 
-    Two splitmix64 rounds over stream + (v + 1) * step give 32 random bits b; w = (b + 1/2) / 2^32 is uniform on (0, 1)
-    and -log(-log1p(-w)) = -log(-log(1 - w)) is Gumbel (the w-near-0 side keeps float32's resolution, so the noise
-    reaches 22.9 before the 32 bits run out; SGLang's multinomial_with_seed and vLLM's Gumbel sampler use the same
-    inverse; `gumbel_reference` is the oracle). An elementwise chain: torch.compile fuses it into the argmax.
+    The mixed stream + v * step gives 32 random bits b (the high ones); w = (b + 1/2) / 2^32 is uniform on (0, 1) and
+    -log(-log1p(-w)) = -log(-log(1 - w)) is Gumbel, computed from the side of w near 0 where float32 keeps its
+    resolution, so the noise reaches 22.9 before the 32 bits run out (SGLang's multinomial_with_seed and vLLM's
+    Gumbel sampler use the same inverse; `gumbel_reference` is the oracle). An elementwise chain that torch.compile
+    fuses into the argmax.
     """
-    ids = torch.arange(1, vocab + 1, device=streams.device, dtype=torch.int64)
-    z = streams[:, None] + ids * _VOCAB_STEP
-    z = (z ^ _lsr(z, 30)) * _MIX1
-    z = (z ^ _lsr(z, 27)) * _MIX2
-    w = (_lsr(z, 32).to(torch.float32) + 0.5) * (1.0 / (1 << 32))
-    return -torch.log(-torch.log1p(-w))
+    ids = torch.arange(1, vocab + 1, device=streams.device, dtype=torch.int64) * _VOCAB_STEP
+    bits = (_mix(streams[:, None] + ids) >> 32) & 0xFFFFFFFF
+    minus_w = bits.to(torch.float32).mul(-1.0 / (1 << 32)).sub(1.0 / (1 << 33))
+    return -torch.log(-torch.log1p(minus_w))
+
+
+def _mix_reference(z: int) -> int:
+    def sar(x: int, shift: int) -> int:  # arithmetic right shift of the int64 with bits x
+        return ((x - (1 << 64) if x >> 63 else x) >> shift) & _MASK64
+
+    z = ((z ^ sar(z, 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    return ((z ^ sar(z, 27)) * 0x94D049BB133111EB) & _MASK64
 
 
 def counter_stream_reference(key: int, counter: int) -> int:
     """`counter_stream` for one (key, counter) in plain Python integers (unsigned): the oracle of its int64 arithmetic."""
-    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
+    return _mix_reference((key + counter * 0x9E3779B97F4A7C15) & _MASK64)
 
 
 def gumbel_reference(stream: int, vocab_id: int) -> float:
-    """`gumbel_noise` of one (unsigned stream, vocab id) in Python integers and float64."""
-    z = (stream + (vocab_id + 1) * 0xD1B54A32D192ED03) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    w = _f32(_f32(z >> 32) + 0.5) / float(1 << 32)  # the float32 roundings of gumbel_noise; then float64
-    return -math.log(-math.log1p(-w))
+    """`gumbel_noise` of one (unsigned stream, vocab id) in Python integers, its float32 roundings, then float64."""
+    bits = _mix_reference((stream + (vocab_id + 1) * 0xD1B54A32D192ED03) & _MASK64) >> 32
+    minus_w = _f32(_f32(bits) * (-1.0 / (1 << 32)) - 1.0 / (1 << 33))
+    return -math.log(-math.log1p(minus_w))
 
 
 def _f32(x: float) -> float:
