@@ -1,4 +1,4 @@
-"""The attention function our engine registers with transformers' AttentionInterface.
+"""The attention function our engine registers with transformers' AttentionInterface, and decode attention.
 
 Qwen2/Llama attention computes post-RoPE q/k/v, calls `past_key_values.update(k, v, layer)` (our
 BudgetKVCache returns the held keys/values of the rows being run) and then calls the function registered
@@ -8,6 +8,10 @@ the model is handed no mask at all), it hands the queries to the cache (the obse
 methods score with) and, for H2O, it computes the probabilities explicitly so the cache can accumulate each slot's
 attention mass. Everything it does is free of host synchronisation, so a decode step through it can be captured
 in a CUDA graph. Outside an engine forward it is transformers' sdpa attention.
+
+A decode step (one new token per row, through HF's modules or our decode body's `decode_layer`) attends with one of
+DECODE_BACKENDS, the cache's `decode_backend`: "sdpa" under the cache's mask over the padded span, or "triton", a
+split-KV kernel that reads each row's length (triton_attention.py). Both are exact against dense attention.
 """
 from __future__ import annotations
 
@@ -22,7 +26,9 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import triton_attention
 from .cache import BudgetKVCache
+from .triton_attention import decode_attention_op
 
 logger = logging.getLogger(__name__)
 ATTENTION_NAME = "slime_sparse_budget_kv"
@@ -62,9 +68,7 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, cache: BudgetKVC
     n, n_q_heads, d = query.shape
     n_kv_heads = key.shape[1]
     if cache.decode_backend == "triton":
-        from .triton_attention import decode_attention_lengths
-
-        return decode_attention_lengths(query, key, value, cache.decode_lengths(layer), scale)
+        return decode_attention_op(query, key, value, cache.decode_lengths(layer), scale)
     q = query.view(n, n_kv_heads, n_q_heads // n_kv_heads, d)
     out = F.scaled_dot_product_attention(q, key, value, attn_mask=cache.attention_mask(layer), scale=scale)
     return out.view(n, n_q_heads, d)
@@ -73,8 +77,6 @@ def decode_attention(query: Tensor, key: Tensor, value: Tensor, cache: BudgetKVC
 def pick_decode_attention(requested: str | None, device: torch.device) -> str:
     """The decode attention backend an engine on `device` uses: `requested`, checked, or the default (triton on CUDA
     when the kernel builds and passes its self-check against SDPA there, else sdpa)."""
-    from . import triton_attention
-
     if requested is None:
         if device.type != "cuda" or not triton_attention.available():
             return "sdpa"
