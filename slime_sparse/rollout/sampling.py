@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.utils.lm_head import tempered_log_softmax
 
 _MASK64 = (1 << 64) - 1
@@ -170,7 +171,7 @@ def _f32(x: float) -> float:
 
 
 def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = None,
-                  counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  counters: Tensor | None = None, kernel=None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of `logits` [n, V]; return (tokens [n] long, their recorded log-probs [n] float32).
 
     Greedy (temperature 0) is the argmax. Otherwise Gumbel-max: row i takes argmax(truncated logits / T + noise), the
@@ -178,7 +179,8 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
     the sample's key, the token's index and the vocabulary id only. One pass over the vocabulary: the tempered logits
     feed both the recorded log-softmax and the draw (no softmax, no cumulative sum); top-k / top-p only mask what may
     be drawn. Free of host synchronisation and data-dependent Python, so a CUDA graph or torch.compile(fullgraph=True)
-    can hold it.
+    can hold it. On CUDA, once `sampling_kernel.enable` has checked it (or given `kernel`, its `build()`), the draw and
+    the log-prob are one Triton kernel that reads the logits once.
     """
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
@@ -186,8 +188,15 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
     else:
         if keys is None or counters is None:
             raise ValueError("sample_tokens needs a stream key and a counter per row when temperature > 0")
+        streams = counter_stream(keys, counters)
+        truncates = params.top_k > 0 or params.top_p < 1.0
+        if kernel is not None or sampling_kernel.enabled(logits):
+            truncated = truncate(logits.float() / params.temperature, params) if truncates else None
+            if kernel is not None:
+                return kernel(logits, truncated, streams, params.temperature)
+            return sampling_kernel.gumbel_sample(logits, truncated, streams, params.temperature)
         tempered = logits.float() / params.temperature  # tempered_log_softmax's arithmetic, done once
         logp = torch.log_softmax(tempered, dim=-1)
-        noise = gumbel_noise(counter_stream(keys, counters), logits.shape[-1])
-        tokens = torch.argmax(truncate(tempered, params) + noise, dim=-1)
+        noise = gumbel_noise(streams, logits.shape[-1])
+        tokens = torch.argmax((truncate(tempered, params) if truncates else tempered) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

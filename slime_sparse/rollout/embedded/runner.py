@@ -14,6 +14,7 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
 from .cache import BudgetKVCache
@@ -64,6 +65,7 @@ class ModelRunner:
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1)
         self.cache.decode_backend = decode_attention
+        sampling_kernel.enable(device)  # on CUDA: the one-kernel sampler, if it builds and agrees with the torch path
         self.state = DecodeState.allocate(shape.rows, shape.readback, device)
         self.graphs = CapturedGraphs() if shape.mode.startswith("cuda_graph") else None
         self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs, decode_body)

@@ -1,5 +1,11 @@
-"""The split-KV decode attention kernel that reads each row's length (#43 item 3, `triton_attention.py`), run on CPU
-under Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when there is one (marker `gpu`).
+"""The Triton kernels of the decode step (#43 item 3), run on CPU under Triton's interpreter (TRITON_INTERPRET=1) and on
+a GPU when there is one: the split-KV decode attention that reads each row's length (`triton_attention.py`) and the
+one-pass Gumbel sampler (`rollout/sampling_kernel.py`).
+
+The sampler kernel draws the torch path's tokens (the same noise bits; the path the chi-square tests check) and
+records its log-probs to 1e-5 (float32 rounding of a log-sum-exp over 2,000 logits of size ~20), for every truncation setting and a vocabulary of several blocks.
+
+The attention kernel:
 
 - exact against dense attention (SDPA over a mask of the row's first `length` slots) in fp32, and to half-precision
   rounding in fp16: grouped and ungrouped heads, head dims that are and are not powers of two, ragged lengths (1, the
@@ -22,7 +28,9 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: the kernel is checked where it is (GPU image)")
 
+from slime_sparse.rollout import sampling_kernel  # noqa: E402
 from slime_sparse.rollout.embedded import triton_attention  # noqa: E402
+from slime_sparse.rollout.sampling import SamplingParams, derive_seed, sample_tokens  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 HERE = not CUDA and os.environ.get("TRITON_INTERPRET") != "1"  # the parent process on CPU: the child runs the tests
@@ -105,6 +113,31 @@ def test_slots_past_the_length_are_never_read(kernels):
         k[row, :, length:] = float("nan")
         v[row, :, length:] = float("nan")
     assert torch.equal(triton_attention.decode_attention_lengths(q, k, v, lengths, 0.25, kernels), clean)
+
+
+@pytest.fixture(scope="module")
+def sampler():
+    return sampling_kernel.build()
+
+
+@in_child
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=100, top_p=0.95)] + [
+    pytest.param(p, marks=pytest.mark.slow) for p in (SamplingParams(temperature=1.0),
+                                                      SamplingParams(temperature=0.6, top_k=40),
+                                                      SamplingParams(temperature=1.3, top_p=0.7))],
+                         ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}")
+def test_sampler_kernel_draws_the_torch_paths_tokens(sampler, params):
+    gen = torch.Generator().manual_seed(3)
+    n, vocab = 24, 2 * sampling_kernel.BLOCK_V + 37  # three blocks, the last one partial
+    logits = (torch.randn(n, vocab, generator=gen) * 3).to(DEVICE)
+    logits[0, 5] = 40.0  # a row whose draw is nearly certain
+    keys = torch.tensor([derive_seed(9, i) for i in range(n)], device=DEVICE)
+    counters = torch.arange(n, device=DEVICE) * 7
+    want, want_logp = sample_tokens(logits, params, keys, counters)
+    got, got_logp = sample_tokens(logits, params, keys, counters, kernel=sampler)
+    assert got.dtype == torch.int64 and got_logp.dtype == torch.float32
+    assert torch.equal(got, want) and got[0] == 5
+    assert torch.allclose(got_logp, want_logp, atol=1e-5, rtol=0)
 
 
 def test_split_count_depends_on_the_span_only():
