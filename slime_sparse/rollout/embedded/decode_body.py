@@ -5,7 +5,8 @@ prompt); contract.py checks that this body equals HF's forward (fp32) for both a
 Per layer: RMSNorm as one op (`F.rms_norm`), one qkv GEMM, RoPE from a cos / sin table indexed by position (for q and
 k together), the cache write, attention (attention.py), one o GEMM, RMSNorm, one gate/up GEMM, SiLU x up, one down
 GEMM. In float32 every step is HF's arithmetic; in a reduced dtype the norm rounds where HF's does (normalised value
-to the model dtype, then the weight), and RoPE multiplies and adds in the model dtype as HF does.
+to the model dtype, then the weight), and RoPE multiplies and adds in the model dtype as HF does (on CPU, bf16 decoding
+through this body samples HF's tokens with HF's log-probs bit for bit: tests/test_decode_body.py).
 
 Fused weights: `fuse_projections` concatenates q/k/v (and gate/up) once and makes each HF parameter's data a view
 into the fused tensor. State-dict names, shapes and parameter objects are unchanged, so the weight-sync protocol and
@@ -31,11 +32,12 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")  # inv_freq changes with the sequence le
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's Qwen2 / Llama RMSNorm: one op in float32; in a reduced dtype the normalised value is rounded to it before
-    the weight multiplies, as HF (and vLLM's kernel) round."""
+    """HF's Qwen2 / Llama RMSNorm: one op in float32; in a reduced dtype two, so that the normalised value (computed
+    in float32 by torch's kernel) is rounded to the model dtype before the weight multiplies, as HF (and vLLM's
+    kernel) round."""
     if x.dtype == torch.float32:
         return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
 def unsupported(model: nn.Module) -> str | None:
