@@ -194,3 +194,30 @@ def test_the_step_dispatches_at_most_half_of_hfs_operations():
     """Qwen2.5-1.5B's depth (28 layers; the count does not depend on the width): what a GPU launches per step."""
     ours, hf = ops_per_step(True, 28), ops_per_step(False, 28)
     assert ours <= hf / 2, (ours, hf)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_new_tokens=16),
+                                    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, max_new_tokens=16,
+                                                   ignore_eos=True)], ids=["greedy", "sampled"])
+def test_compiled_step_samples_the_eager_steps_tokens(params):
+    """inductor on CPU (the GPU's cuda_graph_compile is the same compiled step, captured): fp32, dense and R-KV, the
+    eager body's tokens and log-probs."""
+    model = perturbed(qwen2(2))
+    for kv in (KVCompressConfig(), KVCompressConfig(method="rkv", budget=12, buffer=4, window=3)):
+        torch._dynamo.reset()
+        eager = EmbeddedEngine(model, kv, max_batch_size=4).generate(PROMPTS, params, seed=6)
+        compiled = EmbeddedEngine(model, kv, max_batch_size=4, step_mode="compile").generate(PROMPTS, params, seed=6)
+        for x, y in zip(compiled, eager):
+            assert x.response_ids == y.response_ids
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+
+
+def test_cuda_graph_modes_need_cuda():
+    with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
+        EmbeddedEngine(qwen2(), step_mode="cuda_graph_compile")
+    with pytest.raises(ValueError, match="decode_attention='flash'"):
+        EmbeddedEngine(qwen2(), decode_attention="flash")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
+            EmbeddedEngine(qwen2(), decode_attention="triton")
