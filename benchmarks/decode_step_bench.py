@@ -176,12 +176,14 @@ def time_table(args, before) -> list[str]:
                 if captured:
                     print(f"# {label}: {captured} graphs captured in a timed call")
     lines = ["| variant | tok/s | x first | ms / step |", "|---|---|---|---|"]
-    first = None
-    for label, _, _ in engines:
-        seconds = statistics.median(times[label])
-        tps = args.batch * args.new / seconds
-        first = first or tps
-        lines.append(f"| {label} | {tps:.0f} | {tps / first:.2f} | {1000 * seconds / args.new:.2f} |")
+    rates = {label: args.batch * args.new / statistics.median(times[label]) for label, _, _ in engines}
+    first = next(iter(rates.values()))
+    for label, tps in rates.items():
+        lines.append(f"| {label} | {tps:.0f} | {tps / first:.2f} | {1000 * args.batch / tps:.2f} |")
+    best = max(rates, key=rates.get)
+    lines.append(f"decode step: fastest {best}, {rates[best]:.0f} tok/s = {rates[best] / first:.2f}x {next(iter(rates))}"
+                 + (f"; #43 target 16,000 tok/s (dense, batch 64, +128): {'met' if rates[best] >= 16000 else 'missed'}"
+                    if (args.shapes[0], args.batch, args.new) == ("qwen2.5-1.5b", 64, 128) else ""))
     print("\n".join(lines), flush=True)
     return lines
 
@@ -191,8 +193,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     p.add_argument("--count", action="store_true", help="ops and bytes per decode step (meta device)")
     p.add_argument("--time", action="store_true", help="tok/s of each way of running the step (GPU)")
     p.add_argument("--before", default=None, metavar="REV", help="also the engine of this git commit")
-    p.add_argument("--shapes", nargs="+", default=["tiny", "qwen2.5-1.5b"], choices=sorted(PRESETS),
-                   help="model shapes (--time: the first)")
+    p.add_argument("--shapes", nargs="+", default=None, choices=sorted(PRESETS),
+                   help="model shapes (default: tiny and qwen2.5-1.5b for --count, qwen2.5-1.5b for --time)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=256, help="--count: slots per row (the span a step reads)")
     p.add_argument("--mean-length", type=float, default=192.0,
@@ -205,6 +207,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     args = p.parse_args(argv)
     if not (args.count or args.time):
         p.error("give --count and/or --time")
+    if args.shapes is None:
+        args.shapes = ["tiny", "qwen2.5-1.5b"] if args.count else ["qwen2.5-1.5b"]
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "-"
     print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, GPU {gpu}, {args.dtype}, batch {args.batch}; "
           f"load average {os.getloadavg()[0]:.1f}; before = {args.before or '-'}")

@@ -146,8 +146,10 @@ def test_split_count_depends_on_the_span_only():
 
 @pytest.mark.slow
 @in_child
-def test_engine_with_the_kernel_samples_the_sdpa_engines_tokens():
-    """End to end through the engine (dense and R-KV): the kernel reads the cache's fills as lengths."""
+def test_engine_with_the_kernels_samples_the_torch_engines_tokens(monkeypatch):
+    """End to end through the engine (dense and R-KV): the attention kernel reads the cache's fills as lengths, the
+    sampler kernel draws inside the step (both through their custom ops, as on CUDA), eagerly and compiled by
+    inductor (the ops opaque to it)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from slime_sparse.kv import KVCompressConfig
@@ -161,8 +163,14 @@ def test_engine_with_the_kernel_samples_the_sdpa_engines_tokens():
     params = SamplingParams(temperature=1.0, max_new_tokens=12, ignore_eos=True)
     prompts = [[5, 17, 3, 9, 40], [11, 2], [7, 7, 8, 1, 60, 61, 62, 3, 4]]
     for kv in (KVCompressConfig(), KVCompressConfig(method="rkv", budget=8, buffer=4, window=3)):
-        kernel = EmbeddedEngine(model, kv, device=DEVICE, decode_attention="triton", step_mode="eager")
-        sdpa = EmbeddedEngine(model, kv, device=DEVICE, decode_attention="sdpa", step_mode="eager")
-        for x, y in zip(kernel.generate(prompts, params, seed=1), sdpa.generate(prompts, params, seed=1)):
-            assert x.response_ids == y.response_ids
-            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        torch_path = EmbeddedEngine(model, kv, device=DEVICE, decode_attention="sdpa", step_mode="eager")
+        reference = torch_path.generate(prompts, params, seed=1)
+        monkeypatch.setattr(sampling_kernel, "_KERNEL", sampling_kernel.build())
+        monkeypatch.setattr(sampling_kernel, "enabled", lambda logits: True)  # what CUDA does once checked
+        for mode in ("eager", "compile"):
+            torch._dynamo.reset()
+            kernels = EmbeddedEngine(model, kv, device=DEVICE, decode_attention="triton", step_mode=mode)
+            for x, y in zip(kernels.generate(prompts, params, seed=1), reference):
+                assert x.response_ids == y.response_ids, mode
+                assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
+        monkeypatch.undo()
