@@ -145,6 +145,19 @@ def gumbel_noise(streams: Tensor, vocab: int) -> Tensor:
     return -torch.log(-torch.log1p(minus_w))
 
 
+@torch.library.custom_op("slime_sparse::gumbel_noise", mutates_args=())
+def gumbel_noise_op(streams: Tensor, vocab: int) -> Tensor:
+    """`gumbel_noise` as one opaque op, what a compiled step calls: inductor's CPU code for this int64 chain fused
+    into the argmax that reads it crashes (a segfault, torch 2.13), and on CUDA the noise lives in the sampler
+    kernel anyway."""
+    return gumbel_noise(streams, vocab)
+
+
+@gumbel_noise_op.register_fake
+def _(streams: Tensor, vocab: int) -> Tensor:
+    return streams.new_empty((streams.shape[0], vocab), dtype=torch.float32)
+
+
 def _mix_reference(z: int) -> int:
     def sar(x: int, shift: int) -> int:  # arithmetic right shift of the int64 with bits x
         return ((x - (1 << 64) if x >> 63 else x) >> shift) & _MASK64
@@ -197,6 +210,6 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
             return sampling_kernel.gumbel_sample(logits, truncated, streams, params.temperature)
         tempered = logits.float() / params.temperature  # tempered_log_softmax's arithmetic, done once
         logp = torch.log_softmax(tempered, dim=-1)
-        noise = gumbel_noise(streams, logits.shape[-1])
+        noise = (gumbel_noise_op if torch.compiler.is_compiling() else gumbel_noise)(streams, logits.shape[-1])
         tokens = torch.argmax((truncate(tempered, params) if truncates else tempered) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
