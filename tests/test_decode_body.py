@@ -170,8 +170,12 @@ def meta_runner(kv, layers=2, body=True):
 @pytest.mark.parametrize("kv", [KVCompressConfig(), KVCompressConfig(method="rkv", budget=12, buffer=4, window=3),
                                 KVCompressConfig(method="h2o", budget=12, buffer=4, window=3)],
                          ids=lambda kv: kv.method)
-def test_capture_guard_decode_step_through_the_body(kv):
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
+def test_capture_guard_decode_step_through_the_body(kv, attention):
+    """On the meta device the Triton attention's op runs its shape function: what the step does around it (the
+    lengths from the fills) is checked."""
     model, runner = meta_runner(kv)
+    runner.cache.decode_backend = attention
     with torch.inference_mode(), budget_attention_installed(model):
         for params in (SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(temperature=0.0)):
             runner.decode(4, (24, 24), params)  # the capture's eager warm-up
