@@ -28,7 +28,10 @@ BASE = [
 EXTRAS = {
     # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch.
     # gguf + accelerate: the GGUF round-trip tests of tools/gguf_to_hf.py (small, pure Python)
-    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17", "gguf>=0.10", "accelerate>=1.0"],
+    # triton: the fused R-KV kernel (slime_sparse/kv/kernels) checked on CPU under Triton's interpreter; a CUDA torch
+    # already pins its own (3.0 is the oldest whose APIs the kernel uses; the GPU image has 3.6, CPU CI 3.9)
+    "test": ["pytest>=8.0", "pytest-timeout>=2.3", "wandb>=0.17", "gguf>=0.10", "accelerate>=1.0",
+             "triton>=3.0; sys_platform == 'linux'"],
     "ray": ["ray[default]>=2.40"],
     # GPU deployments. `sglang` pins a CUDA torch: install it only on GPU nodes.
     # megatron-core 0.16.1 is the newest the registry serves (checked 2026-11); psutil for its checkpoint writer

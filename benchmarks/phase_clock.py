@@ -1,5 +1,7 @@
 """Timing the phases of the training loop's step around the component calls that do them (rl_step_bench.py): seconds
-and peak device memory per phase, each call between two device syncs, the loop itself untouched."""
+and peak device memory per phase, each call between two device syncs, the loop itself untouched. Device memory is
+torch's allocated memory plus the KV cache an offloading engine maps at fixed addresses (utils/cuda_vmm.py), which
+torch's statistics do not see."""
 from __future__ import annotations
 
 import time
@@ -10,6 +12,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from slime_sparse import pipeline
+from slime_sparse.utils import cuda_vmm
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 CORRECTION_FNS = ("sparsity_correction", "grpo_advantages", "kv_metrics", "mismatch_metrics", "mismatch_split_metrics",
@@ -38,6 +41,7 @@ class PhaseClock:
             self.sync()
             if self.cuda:
                 torch.cuda.reset_peak_memory_stats()
+                cuda_vmm.reset_peak_mapped_bytes()
             t0 = self.clock()
             try:
                 return fn(*args, **kwargs)
@@ -45,7 +49,8 @@ class PhaseClock:
                 self.sync()
                 self.seconds[phase] += self.clock() - t0
                 if self.cuda:
-                    self.peak[phase] = max(self.peak.get(phase, 0), torch.cuda.max_memory_allocated())
+                    peak = torch.cuda.max_memory_allocated() + cuda_vmm.max_mapped_bytes()
+                    self.peak[phase] = max(self.peak.get(phase, 0), peak)
                 self._inside = None
         return timed
 

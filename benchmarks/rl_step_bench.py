@@ -1,4 +1,4 @@
-"""The whole GRPO step, dense vs Sparse-RL at the same rollout KV memory: N steps of the training loop itself.
+"""The whole GRPO step, dense vs Sparse-RL at the same rollout memory: N steps of the training loop itself.
 
 Each step is `train.run_rollout` + `train.train_rollout` over the project's own components
 (`components.build_components`: the embedded
@@ -8,17 +8,19 @@ answers run to --response-len tokens (EOS ignored, no stop token) with a reward 
 (`tasks/fixed_length.py`). Two modes, one after the other in this process:
 - dense:  GRPO on dense rollouts (--kv-method none, no correction);
 - sparse: Sparse-RL, R-KV rollouts (--kv-budget + --kv-buffer slots per sequence) with the `mis` correction.
-Both get the same KV memory, --kv-gib (default: what the sparse mode needs to decode every sample at once), so
-the dense engine decodes fewer sequences at once (--rollout-max-batch-size = what fits). Each phase is timed around
-the component call that does it (a device sync on each side): rollout (engine.generate, with the KV cache taken and
-given back), reward (decode + reward function), recompute (learner.compute_logprobs: pi_old), learner step
-(learner.train_step), weight update (engine.sync_from), correction (the sparsity correction, advantages and their
-metrics: the pipeline's functions); "other" is the rest of the loop's step (bookkeeping), and the phases plus other
-are the step. Per phase: seconds, and on CUDA the peak allocated memory beside the planner's estimate
-(kv/step_memory.py). The first step of each mode warms up (CUDA graphs, kernels); the table's medians are over the
-others (over all with --steps 1).
+Both get the same rollout memory, --kv-gib, passed as the trainer's own `--rollout-kv-cache-gib` and nothing else: the
+engine admits the rows that fit (its own admission, capacity rounding included), so the dense engine decodes fewer
+sequences at once. The engine gives its cache back while the learner works and takes it again (--offload-rollout, on
+in one process) and keeps its runner and CUDA graphs across steps: the "runner builds" and "captures" columns count
+what each step built and captured (0 after the first step, which warms up). Each phase is timed around the component
+call that does it (a device sync on each side): rollout (engine.generate, with the KV cache taken and given back),
+reward (decode + reward function), recompute (learner.compute_logprobs: pi_old), learner step (learner.train_step),
+weight update (engine.sync_from), correction (the sparsity correction, advantages and their metrics: the pipeline's
+functions); "other" is the rest of the loop's step (bookkeeping), and the phases plus other are the step. Per phase:
+seconds, and on CUDA the peak device memory (torch's allocated + the KV cache mapped at fixed addresses) beside the
+planner's estimate (kv/step_memory.py). The table's medians are over the steps after the first (all with --steps 1).
 
-    python benchmarks/rl_step_bench.py                                  # Qwen2.5-1.5B shape, 32 x 8 x (128 + 2048)
+    python benchmarks/rl_step_bench.py                  # Qwen2.5-1.5B shape, 64 x 8 x (128 + 4096), 24 GiB (#43's size)
     python benchmarks/rl_step_bench.py --shape 7b --prompts 16          # other shapes: tiny 0.5b 1.5b 3b 7b
     python benchmarks/rl_step_bench.py --shape tiny --device cpu --steps 2   # the CI-sized run (tests)
 """
@@ -42,9 +44,9 @@ if str(REPO) not in sys.path:  # `python benchmarks/rl_step_bench.py` from a che
 from slime_sparse.components import build_components  # noqa: E402
 from slime_sparse.config import TrainConfig  # noqa: E402
 from slime_sparse.config_loader import load_config  # noqa: E402
-from slime_sparse.kv import KVCompressConfig, row_capacity  # noqa: E402
+from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.kv.known_models import known_config  # noqa: E402
-from slime_sparse.kv.memory_plan import GIB, ModelShape  # noqa: E402
+from slime_sparse.kv.memory_plan import ModelShape  # noqa: E402
 from slime_sparse.kv.step_memory import StepSpec, phase_peaks, plan_step  # noqa: E402
 from slime_sparse.tasks.fixed_length import write_prompts  # noqa: E402
 from slime_sparse.tasks.tokenizer import build_char_tokenizer, save_tokenizer  # noqa: E402
@@ -52,6 +54,7 @@ from slime_sparse.train import run_rollout, train_rollout  # noqa: E402
 from slime_sparse.utils.seed import set_seed  # noqa: E402
 
 from benchmarks.phase_clock import CLOCKS, PhaseClock, timed_components  # noqa: E402
+from benchmarks.rollout_runs import machine  # noqa: E402
 
 TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True,
@@ -59,7 +62,11 @@ TINY = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num
 SHAPES = {"tiny": TINY, **{s: known_config(f"Qwen2.5-{s.upper()}") for s in ("0.5b", "1.5b", "3b", "7b")}}
 # per shape: prompts, samples per prompt, prompt length, response length, KV budget, buffer, window
 SIZES = {"tiny": (2, 4, 16, 64, 16, 8, 4)}
-DEFAULT_SIZES = (32, 8, 128, 2048, 512, 128, 8)
+DEFAULT_SIZES = (64, 8, 128, 4096, 512, 128, 8)
+# rollout memory of both modes (--kv-gib): #43's 24 GiB; tiny: what its 8 sparse rows take in fp32 on CPU, where the
+# dense rows of 80 slots fit 2
+KV_GIB = {"tiny": 120_000 / 2**30}
+DEFAULT_KV_GIB = 24.0
 PHASES = ("rollout", "reward", "recompute", "learner step", "weight update", "correction")
 PLANNED = {"rollout": "rollout", "recompute": "recompute", "learner step": "train", "weight update": "weight update"}
 PEAK_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "A100": 312.0}  # dense bf16, SXM
@@ -77,7 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-buffer", type=int, default=None)
     p.add_argument("--kv-window", type=int, default=None)
     p.add_argument("--kv-gib", type=float, default=None,
-                   help="rollout KV memory of both modes (default: the sparse mode's for every sample at once)")
+                   help=f"rollout memory of both modes, KV and working sets (--rollout-kv-cache-gib; default "
+                        f"{DEFAULT_KV_GIB:g}, tiny: {KV_GIB['tiny'] * 2**30:,.0f} bytes)")
     p.add_argument("--modes", nargs="+", choices=["dense", "sparse"], default=["dense", "sparse"])
     p.add_argument("--train-backend", choices=["embedded", "megatron"], default="embedded")
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
@@ -97,6 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               "kv_window"), sizes):
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.kv_gib is None:
+        args.kv_gib = KV_GIB.get(args.shape, DEFAULT_KV_GIB)
+    if not args.kv_gib > 0:
+        p.error("--kv-gib must be > 0")
     if args.max_tokens_per_gpu is None:
         args.max_tokens_per_gpu = 256 if args.shape == "tiny" else TrainConfig.max_tokens_per_gpu
     args.dtype = args.dtype or ("bf16" if args.device.startswith("cuda") else "fp32")
@@ -143,26 +155,14 @@ def kv_config(args, mode: str) -> KVCompressConfig:
     return KVCompressConfig(method="rkv", budget=args.kv_budget, buffer=args.kv_buffer, window=args.kv_window)
 
 
-def row_bytes(shape: ModelShape, kv: KVCompressConfig, longest: int, dtype_bytes: int) -> int:
-    """KV bytes one engine row allocates: its slots in every layer, plus the compressing engine's query ring."""
-    ring = shape.query_ring_bytes(kv.window, dtype_bytes) if kv.enabled else 0
-    return row_capacity(kv, longest) * shape.kv_bytes_per_token(dtype_bytes) + ring
-
-
-def engine_rows(args, shape: ModelShape, mode: str) -> int:
-    """Sequences the mode's engine decodes at once within --kv-gib (at most every sample of a step)."""
-    seqs, longest, b = args.prompts * args.n_samples, args.prompt_len + args.response_len, _dtype_bytes(args)
-    budget = args.kv_gib * GIB if args.kv_gib else seqs * row_bytes(shape, kv_config(args, "sparse"), longest, b)
-    return max(1, min(seqs, int(budget // row_bytes(shape, kv_config(args, mode), longest, b))))
-
-
-def trainer_flags(args, mode: str, model: Path, prompts: Path, run_dir: Path, rows: int) -> list[str]:
+def trainer_flags(args, mode: str, model: Path, prompts: Path, run_dir: Path) -> list[str]:
     kv = kv_config(args, mode)
     flags = ["--hf-checkpoint", str(model), "--prompt-data", str(prompts), "--run-dir", str(run_dir),
              "--rollout-batch-size", str(args.prompts), "--n-samples-per-prompt", str(args.n_samples),
              "--global-batch-size", str(args.prompts * args.n_samples), "--num-rollout", str(args.steps),
              "--rollout-max-response-len", str(args.response_len), "--rollout-ignore-eos", "--rollout-temperature",
-             "1.0", "--rollout-max-batch-size", str(rows), "--custom-rm-path", "slime_sparse.tasks.fixed_length:reward",
+             "1.0", "--rollout-kv-cache-gib", repr(args.kv_gib),
+             "--custom-rm-path", "slime_sparse.tasks.fixed_length:reward",
              "--rm-num-workers", "0", "--device", args.device, "--train-backend", args.train_backend,
              "--max-tokens-per-gpu", str(args.max_tokens_per_gpu), "--lr", "1e-6", "--seed", str(args.seed),
              "--mismatch-metrics-interval", "0", "--no-progress-bar", "--no-use-tensorboard",
@@ -188,22 +188,27 @@ class StepResult:
     gen_tokens: int
     learner_tokens: int
     rows: int
+    runner_builds: int  # rollout runners the step built (each allocates a cache and, on CUDA, captures its graphs)
+    captures: int  # CUDA graphs captured during the step's rollout
 
 
 def run_mode(args, mode: str, model: Path, shape: ModelShape, work: Path) -> tuple[list[StepResult], dict]:
-    rows = engine_rows(args, shape, mode)
     prompts = write_prompts(work / "prompts.jsonl", args.prompts * args.steps, args.prompt_len, seed=args.seed)
-    cfg = load_config(trainer_flags(args, mode, model, prompts, work / mode, rows))
+    cfg = load_config(trainer_flags(args, mode, model, prompts, work / mode))
     # answers run to --response-len: no stop token at all (the loaded config stops at the tokenizer's EOS)
     cfg = dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, stop_token_ids=()))
     set_seed(cfg.train.seed)
     components = build_components(cfg)
+    engine, seqs = components.engine, args.prompts * args.n_samples
+    rows = min(engine.rows_for(cfg.kv, args.prompt_len + args.response_len), seqs)  # the engine's own admission
     clock = PhaseClock(args.device, CLOCKS[args.clock])
+    captures = CaptureCount(engine)
     results = []
     try:
-        with timed_components(components, clock):
+        with captures, timed_components(components, clock):  # the clock times the counted call
             for step in range(args.steps):
                 clock.reset()
+                builds, captures.total = engine.runner_builds, 0
                 clock.sync()
                 t0 = clock.clock()
                 metrics = train_rollout(cfg, components, *run_rollout(cfg, components, step))
@@ -214,14 +219,15 @@ def run_mode(args, mode: str, model: Path, shape: ModelShape, work: Path) -> tup
                 seconds["step"] = total
                 learner_tokens = args.prompts * args.n_samples * args.prompt_len + int(metrics["rollout/gen_tokens"])
                 results.append(StepResult(mode, step, seconds, dict(clock.peak), int(metrics["rollout/gen_tokens"]),
-                                          learner_tokens, rows))
+                                          learner_tokens, rows, engine.runner_builds - builds, captures.total))
                 print(f"# {mode} step {step + 1}/{args.steps}: {total:.2f} s (" + ", ".join(
-                    f"{p} {seconds[p]:.2f}" for p in (*PHASES, "other")) + ")", flush=True)
+                    f"{p} {seconds[p]:.2f}" for p in (*PHASES, "other")) + f"); rows {rows}, runner builds "
+                    f"{results[-1].runner_builds}, captures {results[-1].captures}", flush=True)
+        slots = engine.last_stats.slots  # the cache rows' slots, the engine's rounding included
     finally:
         components.close()
-    step_spec = StepSpec(seqs=args.prompts * args.n_samples, prompt_len=args.prompt_len,
-                         response_len=args.response_len, engine_rows=rows,
-                         kv_slots=row_capacity(kv_config(args, mode), args.prompt_len + args.response_len),
+    step_spec = StepSpec(seqs=seqs, prompt_len=args.prompt_len,
+                         response_len=args.response_len, engine_rows=rows, kv_slots=slots,
                          kv_window=args.kv_window if mode == "sparse" else 0,
                          max_tokens_per_gpu=args.max_tokens_per_gpu,
                          recompute=None if args.recompute_granularity == "none" else args.recompute_granularity,
@@ -230,6 +236,26 @@ def run_mode(args, mode: str, model: Path, shape: ModelShape, work: Path) -> tup
     del components
     _free(args.device)
     return results, phase_peaks(plan_step(shape, step_spec))
+
+
+class CaptureCount:
+    """CUDA graphs the engine captures over its generate() calls (a rollout may take several: dynamic sampling)."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.total = engine, 0
+
+    def __enter__(self):
+        generate = self.engine.generate
+
+        def counted(*a, **k):
+            out = generate(*a, **k)
+            self.total += self.engine.last_stats.captures
+            return out
+        self.engine.generate = counted  # an instance attribute over the class's method, removed on exit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.engine.generate
 
 
 def _dtype_bytes(args) -> int:
@@ -246,7 +272,8 @@ def _free(device: str) -> None:
 # Tables
 # ---------------------------------------------------------------------------------------------------------------
 TIME_HEADER = ("| mode | rows at once | step s | rollout s | reward s | recompute s | learner step s | weight update s "
-               "| correction s | other s | gen tok/s | learner tok/s | learner MFU % |\n" + "|---" * 13 + "|")
+               "| correction s | other s | gen tok/s | learner tok/s | learner MFU % | runner builds | captures |\n"
+               + "|---" * 15 + "|")
 MEMORY_HEADER = "| mode | phase | measured peak MiB | planner MiB | planner / measured |\n" + "|---" * 5 + "|"
 RATIO_HEADER = "| | dense s | sparse s | dense / sparse |\n" + "|---" * 4 + "|"
 
@@ -280,8 +307,10 @@ def time_row(mode: str, results: list[StepResult], shape: ModelShape, args) -> s
     learner_s = med["recompute"] + med["learner step"]
     peak = _peak_flops()
     mfu = f"{100 * learner_flops(shape, args, last.learner_tokens) / learner_s / peak:.1f}" if peak else "-"
+    timed = timed_steps(results)
     return (f"| {mode} | {last.rows} | {med['step']:.3f} | " + " | ".join(f"{med[p]:.3f}" for p in (*PHASES, "other"))
-            + f" | {last.gen_tokens / med['rollout']:.0f} | {last.learner_tokens / learner_s:.0f} | {mfu} |")
+            + f" | {last.gen_tokens / med['rollout']:.0f} | {last.learner_tokens / learner_s:.0f} | {mfu} | "
+            + f"{sum(r.runner_builds for r in timed)} | {sum(r.captures for r in timed)} |")
 
 
 def memory_rows(mode: str, results: list[StepResult], planned: dict[str, int]) -> list[str]:
@@ -307,8 +336,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     shape = ModelShape.from_hf_config(SHAPES[args.shape])
-    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {args.threads} thread(s)"
-    device += f", {args.clock} clock"
+    device = f"{machine(args.device, args.threads)}, {args.clock} clock"  # the stamp of every table below
     print(f"# {args.shape} shape ({shape.num_parameters() / 1e9:.2f}B), {args.dtype}, {device}; "
           f"{args.prompts} prompts x {args.n_samples} samples x ({args.prompt_len} + {args.response_len}) tokens; "
           f"{args.train_backend} learner, micro-batches of {args.max_tokens_per_gpu} tokens, recompute "
@@ -324,18 +352,20 @@ def main(argv: list[str] | None = None) -> dict[str, list[str]]:
             for results, _ in runs.values():
                 for r in results:
                     f.write(json.dumps({**dataclasses.asdict(r), "shape": args.shape, "dtype": args.dtype,
-                                        "device": device}) + "\n")
+                                        "device": device, "prompts": args.prompts, "n_samples": args.n_samples,
+                                        "prompt_len": args.prompt_len, "response_len": args.response_len,
+                                        "kv_gib": args.kv_gib, "torch": torch.__version__}) + "\n")
     tables = {"time": [time_row(mode, results, shape, args) for mode, (results, _) in runs.items()],
               "memory": [row for mode, (results, plan) in runs.items() for row in memory_rows(mode, results, plan)]}
-    print("\n" + TIME_HEADER + "\n" + "\n".join(tables["time"]))
-    print("\n" + MEMORY_HEADER + "\n" + "\n".join(tables["memory"]))
+    print(f"\n# {device}\n" + TIME_HEADER + "\n" + "\n".join(tables["time"]))
+    print(f"\n# {device}\n" + MEMORY_HEADER + "\n" + "\n".join(tables["memory"]))
     if {"dense", "sparse"} <= set(runs):
         ratio = []
         for key, label in (("step", "whole step"), ("rollout", "rollout phase")):
             dense, sparse = (median_seconds(runs[m][0], key) for m in ("dense", "sparse"))
             ratio.append(f"| {label} | {dense:.3f} | {sparse:.3f} | {dense / sparse:.2f} |")
         tables["ratio"] = ratio
-        print("\n" + RATIO_HEADER + "\n" + "\n".join(ratio))
+        print(f"\n# {device}\n" + RATIO_HEADER + "\n" + "\n".join(ratio))
     return tables
 
 

@@ -11,13 +11,18 @@ Columns: tokens/s (new tokens of the batch / wall time of the call), its ratio t
 same KV config), peak KV memory (hf: its final cache; ours: the preallocated cache, never exceeded), compression
 time as a share of the call, the roofline fraction (time the call would take if every forward only read the
 weights and the KV it held once, at the copy bandwidth measured at start, over the measured time), prefill
-tokens saved by sharing a prompt's prefill across its n samples, and whether `after` drew the same tokens as
-`before` (same seed).
+tokens saved by sharing a prompt's prefill across its n samples, whether `after` drew the same tokens as
+`before` (same seed), and the CUDA graphs captured during the timed calls (0: warm; every engine is warmed by a call
+of the row's own length unless --long-warmup-new says otherwise).
+--same-memory-gib G: throughput at the same total device memory, dense vs each compression, a fixed-length wave and a
+length mix (rollout_memory.py). --json FILE: every table row also as a JSON line (tools/gpu_summary.py reads them).
+Every table is stamped with the machine that made it.
 
     python benchmarks/rollout_bench.py --quick --before 8401d90        # ~3 min on an idle 2-core machine
     python benchmarks/rollout_bench.py --before 8401d90                # the table of benchmarks/README.md
     python benchmarks/rollout_bench.py --rows smollm2-135m:8:128:256 --model smollm2-135m=/path/to/hf_dir
     python benchmarks/rollout_bench.py --device cuda --dtype bfloat16 --rows qwen2-19m:64:128:1024 qwen2-19m:64:128:4096
+    python benchmarks/rollout_bench.py --suite gpu-43 --device cuda --dtype bfloat16 --same-memory-gib 24   # #43
 
 A row is MODEL:BATCH:PROMPT:NEW[:N]: BATCH sequences = BATCH / N distinct prompts x N samples (GRPO groups).
 MODEL is a preset (config-built, random weights: timings do not depend on weight values) or NAME=DIR for a local
@@ -26,6 +31,7 @@ HF directory (e.g. SmolLM2-135M-Instruct built by #14's `tools/gguf_to_hf.py`), 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -39,29 +45,31 @@ if str(REPO) not in sys.path:  # `python benchmarks/<script>.py` from a checkout
     sys.path.insert(0, str(REPO))
 
 import benchmarks.rollout_runs as runs  # noqa: E402
+from benchmarks.rollout_memory import (FIT_HEADER, RUN_HEADER, fit_rows, format_fit, format_run,  # noqa: E402
+                                       measured_rows)
 from benchmarks.rollout_runs import (CLOCKS, DTYPES, PRESETS, Engine, Result, RowSpec, build_model,  # noqa: E402
-                                     engines_for, kv_bytes_per_token, load_before, make_prompts, measure_bandwidth,
-                                     median_result, weight_bytes)
-from benchmarks.rollout_tables import (OPS_HEADER, SAME_KV_HEADER, SAME_KV_RUN_HEADER, op_count_rows,  # noqa: E402
-                                       same_kv_measured, same_kv_rows)
+                                     engines_for, kv_bytes_per_token, load_before, machine, make_prompts,
+                                     measure_bandwidth, median_result, weight_bytes)
+from benchmarks.rollout_tables import OPS_HEADER, op_count_rows  # noqa: E402
 from slime_sparse.kv import METHODS  # noqa: E402
 
 SUITES: dict[str, list[str]] = {
     "ci": ["tiny:4:24:40", "tiny:4:24:40:2"],
-    # one H100 / H200, bf16 (tools/gpu_checks.sh: --hf-max-new 128 --same-kv-gib 8 --same-kv-max-prompts 256, its
-    # same-KV row GPU_SAME_KV first): batch 64 at 128 new tokens (warm HF, dense, R-KV at a tight 64 + 32). Measured on
-    # an H200 2026-11-27: the same-KV rows and this one take ~170 s together. gpu-extra: batch 256 at 4096 (dense vs
-    # R-KV 512 + 128: over 2 minutes on its own) and the rest
+    # one H100 / H200, bf16: batch 64 at 128 new tokens (warm HF, dense, R-KV at a tight 64 + 32). gpu-43: #43's rows
+    # at the same batch (tools/gpu_checks.sh, profile targets, with --same-memory-gib 24 and GPU_SAME_MEMORY): batch 64
+    # at 128 new tokens, then 256 at 4096, dense vs R-KV 512 + 128 (about 4 minutes at 2026-11's speeds). gpu-extra: the
+    # rest
     "gpu": ["qwen2.5-1.5b:64:128:128@64+32"],
+    "gpu-43": ["qwen2.5-1.5b:64:128:128", "qwen2.5-1.5b:256:128:4096"],
     "gpu-extra": ["qwen2.5-1.5b:256:128:4096", "qwen2.5-1.5b:64:128:4096", "qwen2.5-1.5b:64:128:1024",
                   "qwen2.5-1.5b:256:128:1024"],
     "quick": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:32:512:256:8"],
     "full": ["qwen2-19m:8:64:256", "qwen2-19m:8:64:1024", "qwen2-19m:8:64:4096", "qwen2-19m:32:64:256",
              "qwen2-19m:64:64:256", "qwen2-19m:32:512:256:8", "smollm2-135m:8:128:256"],
 }
-GPU_SAME_KV = ["qwen2.5-1.5b:1:128:4096"]  # the same-KV-memory row of #33 (the batch is what fits)
+GPU_SAME_MEMORY = ["qwen2.5-1.5b:1:128:4096"]  # #43's same-total-memory row (the batch is what fits)
 SUITE_KV = {"ci": ([16], 8), "quick": ([512], 128), "full": ([512], 128), "gpu": ([512], 128),
-            "gpu-extra": ([512], 128)}  # (budgets, buffer)
+            "gpu-43": ([512], 128), "gpu-extra": ([512], 128)}  # (budgets, buffer)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,20 +93,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--step-modes", nargs="+", default=[], choices=["eager", "compile", "cuda_graph"],
                    help="also run this checkout's engine with these decode step modes (columns after+MODE; plain "
                         "`after` is the engine's default mode on the device)")
-    p.add_argument("--same-kv-gib", type=float, default=None,
-                   help="also print how many sequences of each row fit in this much KV memory, dense vs each "
-                        "compression, by the engine's own allocation (one slot row per sequence), and the tok/s of "
-                        "each at that memory (the engine admitting as many rows as fit): the headline table")
-    p.add_argument("--same-kv-max-prompts", type=int, default=512,
-                   help="at most this many prompts in a same-KV-memory run (each config decodes one wave of its fit)")
-    p.add_argument("--same-kv-warmup-new", type=int, default=None,
-                   help="new tokens of the warm-up call of a same-KV-memory run (default: the row's)")
-    p.add_argument("--same-kv-rows", nargs="+", default=None, metavar="ROW",
-                   help="rows of the same-KV-memory tables (MODEL:BATCH:PROMPT:NEW[@B+BUFFER]; BATCH unused: what fits "
-                        "decodes); default: the suite's rows (--suite gpu: GPU_SAME_KV)")
-    p.add_argument("--same-kv-only", action="store_true", help="only the same-KV-memory tables (no per-batch rows)")
-    p.add_argument("--same-kv-fit-only", action="store_true",
-                   help="of the same-KV-memory tables, only the arithmetic one (what fits; no model is run)")
+    p.add_argument("--same-memory-gib", type=float, default=None,
+                   help="also the tables at the same total device memory (rollout_memory.py): each config's engine "
+                        "given --rollout-kv-cache-gib this much alone, admitting what fits; how many sequences fit, "
+                        "then the tok/s of a fixed-length wave and of a length mix: the headline table")
+    p.add_argument("--same-memory-max-prompts", type=int, default=512,
+                   help="at most this many sequences in the fixed-length wave (each config decodes one wave of its fit)")
+    p.add_argument("--mix-prompts", type=int, default=512,
+                   help="sequences of the length mix, the same for every config (a rollout's batch: 64 x 8)")
+    p.add_argument("--mix-mean-new", type=int, default=None,
+                   help="mean response length of the length mix (geometric, capped at the row's; default: a third)")
+    p.add_argument("--same-memory-rows", nargs="+", default=None, metavar="ROW",
+                   help="rows of the same-memory tables (MODEL:BATCH:PROMPT:NEW[@B+BUFFER]; BATCH unused: what fits "
+                        "decodes); default: the suite's rows (--suite gpu / gpu-43: GPU_SAME_MEMORY)")
+    p.add_argument("--same-memory-only", action="store_true", help="only the same-memory tables (no per-batch rows)")
+    p.add_argument("--same-memory-fit-only", action="store_true",
+                   help="of the same-memory tables, only what fits (the engine's admission; no model is run)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also append every table row here as a JSON line")
     p.add_argument("--count-ops", action="store_true",
                    help="also count the operations dispatched per decode step and per compaction (dense vs each "
                         "compression, after vs before): the number a GPU's time follows")
@@ -117,8 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("give either --rows or a suite (--suite / --quick)")
     suite = "quick" if args.quick else (args.suite or "full")
     args.rows = [RowSpec.parse(r) for r in (args.rows or SUITES[suite])]
-    args.same_kv_rows = [RowSpec.parse(r) for r in args.same_kv_rows] if args.same_kv_rows else (
-        [RowSpec.parse(r) for r in GPU_SAME_KV] if suite == "gpu" and not args.rows_given else args.rows)
+    same = [RowSpec.parse(r) for r in args.same_memory_rows] if args.same_memory_rows else (
+        [RowSpec.parse(r) for r in GPU_SAME_MEMORY] if suite.startswith("gpu") and not args.rows_given else args.rows)
+    # the batch is what fits: rows that differ only in their batch are one row here
+    args.same_memory_rows = list({(r.model, r.prompt_len, r.new_tokens, r.kv): r for r in same}.values())
     args.budgets = args.budgets or SUITE_KV[suite][0]
     args.buffer = args.buffer or SUITE_KV[suite][1]
     args.model_dirs = {}
@@ -130,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted({r.model for r in args.rows} - set(PRESETS) - set(args.model_dirs))
     if unknown:
         p.error(f"unknown model(s) {unknown}: presets are {sorted(PRESETS)}, or pass --model NAME=DIR")
-    for name in ("repeats", "long_repeats", "buffer", "window", "threads"):
+    for name in ("repeats", "long_repeats", "buffer", "window", "threads", "same_memory_max_prompts", "mix_prompts"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
@@ -140,7 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # Table
 # ---------------------------------------------------------------------------------------------------------------
 HEADER = ("| model | batch | prompt | new | engine | KV | tok/s | x hf | x before | peak KV MiB | compress % "
-          "| roofline % | prefill saved | = before |\n" + "|---" * 14 + "|")
+          "| roofline % | prefill saved | = before | captures |\n" + "|---" * 15 + "|")
 
 
 def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before: Result | None,
@@ -156,7 +169,7 @@ def format_row(row: RowSpec, eng: Engine, res: Result, hf: Result | None, before
     saved = str(res.prefill_saved) if eng.label != "hf" else "-"
     return (f"| {row.model} | {batch} | {row.prompt_len} | {row.new_tokens} | {eng.label} | {eng.kv_name} | "
             f"{tps:.1f} | {ratio(hf)} | {ratio(before)} | {res.kv_bytes / 2**20:.1f} | {compress} | "
-            f"{100 * roofline_s / res.seconds:.1f} | {saved} | {same} |")
+            f"{100 * roofline_s / res.seconds:.1f} | {saved} | {same} | {res.captures if eng.label != 'hf' else '-'} |")
 
 
 def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> list[str]:
@@ -191,6 +204,19 @@ def run_row(row: RowSpec, args, before: ModuleType | None, bandwidth: float) -> 
     return lines
 
 
+def _batch_record(line: str) -> dict:
+    """A per-batch table row as a JSON record (its header's columns)."""
+    names = [c.strip() for c in HEADER.splitlines()[0].strip().strip("|").split("|")]
+    return {"table": "batch", **dict(zip(names, (c.strip() for c in line.strip().strip("|").split("|"))))}
+
+
+def _write_json(path: str | None, records: list[dict], stamp: str) -> None:
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            for record in records:
+                f.write(json.dumps({**record, "machine": stamp}) + "\n")
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     args = parse_args(argv)
     runs.CLOCK = CLOCKS[args.clock]
@@ -201,30 +227,38 @@ def main(argv: list[str] | None = None) -> list[str]:
         load = os.getloadavg()
         import transformers
 
-        print(f"# device {args.device} {args.dtype}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, "
-              f"transformers {transformers.__version__}; copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write); "
-              f"load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; before = {args.before or '-'}; "
-              f"medians of {args.repeats} interleaved runs ({args.long_repeats} for >= 2048 new tokens); "
-              f"buffer {args.buffer}, window {args.window}; {args.clock} clock")
-        lines = []
-        if args.same_kv_gib:  # first, so that a time limit on the rows below cannot lose it
-            print("Same KV memory: sequences that fit\n" + SAME_KV_HEADER)
-            for row in args.same_kv_rows:
-                lines += same_kv_rows(row, args)
-            if not args.same_kv_fit_only:
-                print("\nSame KV memory: throughput\n" + SAME_KV_RUN_HEADER)
-                for row in args.same_kv_rows:
-                    lines += same_kv_measured(row, args)
+        stamp = machine(args.device, args.threads)
+        print(f"# {stamp}; {args.device} {args.dtype}, transformers {transformers.__version__}; copy bandwidth "
+              f"{bandwidth / 1e9:.1f} GB/s (read + write); load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}; "
+              f"before = {args.before or '-'}; medians of {args.repeats} interleaved runs ({args.long_repeats} for >= "
+              f"2048 new tokens); buffer {args.buffer}, window {args.window}; {args.clock} clock")
+        lines, records = [], []
+        if args.same_memory_gib:  # first, so that a time limit on the rows below cannot lose it
+            print(f"Same total memory: sequences that fit\n# {stamp}\n" + FIT_HEADER)
+            for row in args.same_memory_rows:
+                for record in fit_rows(row, args):
+                    lines.append(format_fit(record))
+                    records.append(record)
+                    print(lines[-1], flush=True)
+            _write_json(args.json, records, stamp)
+            if not args.same_memory_fit_only:
+                print(f"\nSame total memory: throughput\n# {stamp}\n" + RUN_HEADER)
+                for row in args.same_memory_rows:
+                    measured = measured_rows(row, args)
+                    lines += [format_run(r) for r in measured]
+                    _write_json(args.json, measured, stamp)
             print()
         if args.count_ops:
-            print("Operations dispatched\n" + OPS_HEADER)
+            print(f"Operations dispatched\n# {stamp}\n" + OPS_HEADER)
             for row in args.rows:
                 lines += op_count_rows(row, args, before)
             print()
-        if not args.same_kv_only:
-            print(HEADER)
+        if not args.same_memory_only:
+            print(f"# {stamp}\n" + HEADER)
             for row in args.rows:
-                lines += run_row(row, args, before, bandwidth)
+                row_lines = run_row(row, args, before, bandwidth)
+                lines += row_lines
+                _write_json(args.json, [_batch_record(line) for line in row_lines], stamp)
         print(f"# load average at the end {os.getloadavg()[0]:.1f}")
         return lines
     finally:

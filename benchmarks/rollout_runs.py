@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
+import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -124,6 +126,25 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def machine(device: str, threads: int | None = None) -> str:
+    """What made a table: the GPU (or the CPU model and threads), torch and CUDA versions."""
+    if torch.device(device).type == "cuda":
+        where = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        model = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                      if line.startswith("model name")), platform.processor() or "unknown CPU")
+        where = f"{model}, {threads or torch.get_num_threads()} thread(s) of {os.cpu_count()}"
+    return f"{where}, torch {torch.__version__}"
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def measure_bandwidth(device: str, mib: int = 256) -> float:
     """Bytes/s of a large tensor copy, counting read + write (best of 5): the memory bandwidth a decode step
     streaming weights and KV can hope for."""
@@ -209,15 +230,17 @@ def our_engine(engine_cls, params_cls, model, kv, args, batch: int | None, **opt
         if not hasattr(vars(cls)[name], "__wrapped__"):
             setattr(cls, name, _timed(vars(cls)[name], args.device))
 
-    def run(prompts: list[list[int]], n_new: int) -> Result:
-        params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True)
+    def run(prompts: list[list[int]], n_new) -> Result:
+        """n_new: every response runs to exactly this many tokens; or the SamplingParams of the call."""
+        fixed = isinstance(n_new, int)
+        params = params_cls(temperature=1.0, max_new_tokens=n_new, ignore_eos=True) if fixed else n_new
         COMPRESS_TIMER["s"] = 0.0
         sync(args.device)
         t0 = CLOCK()
         outs = engine.generate(prompts, params, seed=args.seed)
         sync(args.device)
         seconds = CLOCK() - t0
-        assert all(len(o.response_ids) == n_new for o in outs)
+        assert not fixed or all(len(o.response_ids) == n_new for o in outs)
         stats = getattr(engine, "last_stats", None)
         return Result(seconds, engine.last_kv_cache_bytes, sum(o.kv.kept_kv_tokens for o in outs),
                       stats.forwards if stats else n_new, COMPRESS_TIMER["s"],
@@ -299,9 +322,11 @@ def engines_for(row: RowSpec, model, args, before: ModuleType | None) -> list[En
 
 
 def median_result(results: list[Result]) -> Result:
+    """Medians of the times; captures: the most any of the calls captured (0: every one replayed warm graphs)."""
     mid = sorted(results, key=lambda r: r.seconds)[len(results) // 2]
     return dataclasses.replace(mid, seconds=statistics.median(r.seconds for r in results),
-                               compress_s=statistics.median(r.compress_s for r in results))
+                               compress_s=statistics.median(r.compress_s for r in results),
+                               captures=max(r.captures for r in results))
 
 
 def model_config(name: str, args):

@@ -1,6 +1,5 @@
-"""The rollout benchmark's other tables (`rollout_bench.py --same-kv-gib G`, `--count-ops`): sequences that fit in the
-same KV memory and their throughput there, dense vs each compression; operations dispatched per decode step and per
-compaction.
+"""The rollout benchmark's operation counts (`rollout_bench.py --count-ops`): operations dispatched per decode step and
+per compaction (the same-memory tables: rollout_memory.py).
 """
 from __future__ import annotations
 
@@ -13,72 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/<script>.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from benchmarks.rollout_runs import (COMPRESS_TARGETS, DTYPES, STEP_TARGETS, RowSpec, build_model,  # noqa: E402
-                                     compress_targets, compressions, engines_for, make_prompts, median_result,
-                                     model_config, our_engine)
-from slime_sparse.kv import KVCompressConfig  # noqa: E402
-from slime_sparse.rollout import SamplingParams  # noqa: E402
-from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
-
-SAME_KV_HEADER = ("| model | prompt | new | KV memory GiB | KV | slots per sequence | sequences that fit | x dense |\n"
-                  + "|---" * 8 + "|")
-
-
-def same_kv_rows(row: RowSpec, args) -> list[str]:
-    """How many sequences of this row fit in --same-kv-gib of KV memory, dense vs each compression, by the engine's
-    own allocation (`runner.row_bytes`: keys, values, positions, query ring, attention mass of `kv.row_capacity`
-    slots). A compressed sequence holds budget + buffer slots whatever its length, so the ratio grows with the length."""
-    from slime_sparse.kv import row_capacity
-    from slime_sparse.rollout.embedded.runner import row_bytes
-
-    cfg = model_config(row.model, args)
-    longest = row.prompt_len + row.new_tokens
-    lines, dense_fit = [], None
-    for kv in [KVCompressConfig()] + compressions(row, args):
-        slots = row_capacity(kv, longest)
-        fit = int(args.same_kv_gib * 2**30 // row_bytes(cfg, kv, slots, DTYPES[args.dtype]))
-        dense_fit = fit if dense_fit is None else dense_fit
-        name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
-        lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | {slots} | "
-                     f"{fit} | {fit / max(dense_fit, 1):.2f} |")
-        print(lines[-1], flush=True)
-    return lines
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Same KV memory, measured: each engine given the same KV GiB decodes as many sequences at once as fit
-# ---------------------------------------------------------------------------------------------------------------
-SAME_KV_RUN_HEADER = ("| model | prompt | new | KV GiB | KV | sequences that fit | prompts (one wave) | tok/s | x dense "
-                      "| compress % | graphs captured in the timed call |\n" + "|---" * 11 + "|")
-
-
-def same_kv_measured(row: RowSpec, args) -> list[str]:
-    """tok/s of this checkout's engine at --same-kv-gib of KV memory, dense vs each compression: each engine admits as
-    many rows as fit for its KV config (`kv_cache_gib`) and decodes one full wave of that many prompts (at most
-    --same-kv-max-prompts), the steady state of a long rollout at that memory: compression as concurrency.
-    Warm-up: a call of --same-kv-warmup-new tokens (default: the row's length); graphs of longer spans are captured
-    during the timed call (the captures column counts them)."""
-    model = build_model(row.model, row.prompt_len + row.new_tokens + 1, dtype=args.dtype, device=args.device,
-                        seed=args.seed, model_dirs=args.model_dirs)
-    lines, dense = [], None
-    for kv in [KVCompressConfig()] + compressions(row, args):
-        run = our_engine(EmbeddedEngine, SamplingParams, model, kv, args, None, kv_cache_gib=args.same_kv_gib)
-        fit = run.engine.rows_for(kv, row.prompt_len + row.new_tokens)
-        prompts = make_prompts(RowSpec(row.model, min(fit, args.same_kv_max_prompts), row.prompt_len,
-                                       row.new_tokens), model.config.vocab_size, args.seed)
-        run(prompts, min(args.same_kv_warmup_new or row.new_tokens, row.new_tokens))
-        res = median_result([run(prompts, row.new_tokens) for _ in range(args.long_repeats)])
-        tps = len(prompts) * row.new_tokens / res.seconds
-        dense = dense or tps
-        name = "dense" if not kv.enabled else f"{kv.method} B={kv.budget}+{kv.buffer}"
-        compress = f"{100 * res.compress_s / res.seconds:.1f}" if kv.enabled else "-"
-        lines.append(f"| {row.model} | {row.prompt_len} | {row.new_tokens} | {args.same_kv_gib:g} | {name} | "
-                     f"{fit} | {len(prompts)} | {tps:.1f} | {tps / dense:.2f} | {compress} | {res.captures} |")
-        print(lines[-1], flush=True)
-        del run
-    del model
-    return lines
-
+from benchmarks.rollout_runs import (COMPRESS_TARGETS, STEP_TARGETS, RowSpec, build_model,  # noqa: E402
+                                     compress_targets, engines_for, make_prompts)
 
 # ---------------------------------------------------------------------------------------------------------------
 # Eager operations per decode step and per compaction: what a GPU's time follows (one kernel launch per op)
@@ -137,6 +72,8 @@ def cuda_scratch(engine_cls):
         module = sys.modules.get(module_name)
         if module is not None and hasattr(module, name):
             patched.append((module, name, getattr(module, name)))
+            if name == "DEFAULT_SIM_SCRATCH_BYTES":  # the package's own CUDA size where it states one
+                value = getattr(module, "SIM_SCRATCH_BYTES", {}).get("cuda", value)
             setattr(module, name, value)
     try:
         yield

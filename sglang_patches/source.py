@@ -33,6 +33,12 @@ CPU_IMPORT_DEPS = (
     "partial-json-parser==0.2.1.1.post7", "propcache==0.5.4", "psutil==7.2.2", "pybase64==1.5.1",
     "pyzmq==27.3.0", "sentencepiece==0.2.3", "setproctitle==1.3.8", "starlette==1.10.0", "triton==3.9.0",
     "uvicorn==0.54.0", "yarl==1.25.1",
+    # sglang/srt/configs/load_config.py (and the function-call parsers) import orjson; sglang/utils.py imports
+    # IPython.display, whose package imports the rest of this line at module level (#45: a fresh venv lacked them)
+    "orjson==3.8.3", "ipython==8.12.3", "asttokens==3.0.1", "backcall==0.2.0", "decorator==5.2.1",
+    "executing==2.2.1", "jedi==0.20.0", "matplotlib-inline==0.2.2", "parso==0.8.7", "pexpect==4.8.0",
+    "pickleshare==0.7.5", "prompt-toolkit==3.0.52", "ptyprocess==0.7.0", "pure-eval==0.2.3", "pygments==2.20.0",
+    "stack-data==0.6.3", "traitlets==5.15.0", "wcwidth==0.7.0",
 )
 
 _TORCHVISION_STUB = '''"""Stand-in for torchvision: SGLang imports it at module level; the real wheel needs its own torch."""
@@ -83,8 +89,8 @@ def prepare_cpu_import_env(version: str = SGLANG_VERSION, cache_dir: Path = DEFA
     source = fetch_sglang_source(version, cache_dir)
     deps = cache_dir / "sglang-deps"
     marker = deps / f".complete-{version}"
-    if not marker.is_file():
-        _pip("install", "--quiet", "--no-deps", "--target", str(deps), *CPU_IMPORT_DEPS)
+    if not marker.is_file() or marker.read_text() != "\n".join(CPU_IMPORT_DEPS):  # a list changed: install again
+        _pip("install", "--quiet", "--no-deps", "--upgrade", "--target", str(deps), *CPU_IMPORT_DEPS)
         marker.write_text("\n".join(CPU_IMPORT_DEPS))
     stubs = cache_dir / "sglang-stubs"
     for name in _STUB_MODULES:

@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import sys
 import types
 import typing
@@ -32,6 +33,15 @@ from slime_sparse.startup import check_inputs
 SPELLING_DEST = "spelling:"
 FIXED_DEST = "fixed:"  # and of slime's flags we take at one value (flags.FIXED; checked, then dropped)
 ARCH_DEST = "arch:"  # and of slime's architecture flags (model_flags.ARCH_FLAGS; checked against config.json)
+# A word that starts like a number (`-1e-5`, `-.5`) is a value, not a flag. argparse before Python 3.13 only takes
+# `-1` and `-1.5` so, and `--lr -1e-5` then fails with "expected one argument"; 3.13's own rule is this one.
+NEGATIVE_NUMBER = re.compile(r"^-\.?\d")
+
+
+def accept_negative_numbers(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`parser` reading `--flag -1e-5` as a value (no flag of ours starts with a digit)."""
+    parser._negative_number_matcher = NEGATIVE_NUMBER
+    return parser
 
 def _parse_value(tp: Any, raw: str | list[str], flag: str) -> Any:
     """Turn command-line strings into a value of annotation `tp` (int, float, str, bool, Optional, tuple). A tuple
@@ -70,6 +80,7 @@ def build_parser(prog: str = "slime-sparse-train",
         epilog="Precedence: defaults < --correction-preset < --config YAML < flags. Any other --sglang-X goes to "
                "every SGLang server as --X.",
     )
+    accept_negative_numbers(parser)
     parser.add_argument("--config", metavar="YAML",
                         help="YAML file: {section: {field: value}}, sections as the groups below (default: unset)")
     groups = {section: parser.add_argument_group(section, f"YAML section `{section}:`") for section in SECTIONS}

@@ -108,8 +108,8 @@ OUTPUT_HELP = "where the JSON report is written (its directory is created)"
 # What evaluation reads of the run config: these sections whole, and these fields of others (the engine's); every
 # other training flag is accepted (a training command line evaluates as it is) and left out of --help.
 EVAL_SECTIONS = ("sampling", "kv", "data", "reward", "eval", "sglang")
-EVAL_FIELDS = {"train": ("hf_checkpoint", "device", "bf16", "enable_fp32_lm_head", "seed"),
-               "rollout": ("engine", "max_batch_size", "cuda_graph")}
+EVAL_FIELDS = {"train": ("hf_checkpoint", "device", "threads", "bf16", "enable_fp32_lm_head", "seed"),
+               "rollout": ("engine", "max_batch_size", "kv_cache_gib", "mem_fraction", "cuda_graph")}
 
 
 def build_eval_parser() -> argparse.ArgumentParser:
@@ -138,17 +138,18 @@ def build_eval_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from slime_sparse.config_loader import load_config
+    from slime_sparse.config_loader import accept_negative_numbers, load_config
     from slime_sparse.factory import EngineSpec, build_engine
     from slime_sparse.utils.hf import load_tokenizer
     from slime_sparse.utils.paths import check_writable_file
+    from slime_sparse.utils.threads import torch_threads
     from slime_sparse.reward import RewardFailure, get_reward_fn
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
         build_eval_parser().print_help()
         return 0
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = accept_negative_numbers(argparse.ArgumentParser(add_help=False))
     pre.add_argument("--output", default="eval_report.json")
     known, rest = pre.parse_known_args(argv)
     # evaluation reads the same flags as training; either data flag names the evaluation set(s)
@@ -162,30 +163,37 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
-    reward_fn = get_reward_fn(cfg.reward)
-    engine = build_engine(EngineSpec.from_run(cfg))
-    reports = {}
-    try:
-        for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
-            report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
-                              n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
-            reports[name] = {**report, "model": cfg.train.hf_checkpoint, "data": path,
-                             "kv": dataclasses.asdict(cfg.kv)}
-    except RewardFailure as exc:  # its message holds the grader's traceback
-        reward_fn.close()
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    # one bare path: the report itself, as before; named sets: {name: report}
-    out = reports[""] if list(reports) == [""] else reports
+    with torch_threads(cfg.train.threads):
+        tokenizer = load_tokenizer(cfg.train.hf_checkpoint)
+        reward_fn = get_reward_fn(cfg.reward)
+        engine = build_engine(EngineSpec.from_run(cfg))
+        reports = {}
+        try:
+            for (name, path), records in zip(cfg.eval.datasets, load_eval_sets(cfg, tokenizer).values()):
+                report = evaluate(engine, records, tokenizer, reward_fn, sampling=eval_sampling(cfg),
+                                  n_samples=cfg.eval.n_samples_per_eval_prompt, seed=cfg.train.seed)
+                reports[report_name(name, path)] = {**report, "model": cfg.train.hf_checkpoint, "data": path,
+                                                    "kv": dataclasses.asdict(cfg.kv)}
+        except RewardFailure as exc:  # its message holds the grader's traceback
+            reward_fn.close()
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+    # one document, printed as written: {set name: report}
+    text = json.dumps(reports, indent=2)
     os.makedirs(os.path.dirname(os.path.abspath(known.output)), exist_ok=True)
     with open(known.output, "w", encoding="utf-8") as fh:
-        json.dump(out, fh, indent=2)
-    print(json.dumps({name: {k: v for k, v in r.items() if k != "kv"} for name, r in reports.items()}, indent=2))
+        fh.write(text + "\n")
+    print(text)
     close = getattr(reward_fn, "close", None)
     if callable(close):
         close()
     return 0
+
+
+def report_name(name: str, path: str) -> str:
+    """The key of a set's report: its --eval-prompt-data NAME, or for one bare PATH the file's name without its
+    suffix (`test` for data/test.jsonl)."""
+    return name or os.path.splitext(os.path.basename(path))[0]
 
 
 def _flag_arguments(argv: list[str], flag: str) -> list[str]:

@@ -100,8 +100,10 @@ class EngineSpec:
     device: str  # --device
     bf16: bool
     fp32_lm_head: bool  # --enable-fp32-lm-head: the learner's head arithmetic (SGLang servers get the flag)
-    max_batch_size: int  # sequences decoded at once (embedded)
+    max_batch_size: int | None  # sequences decoded at once at most (embedded; None: 64, or what fits in the memory)
     kv_cache_gib: float | None  # KV memory the embedded engine fills with as many rows as fit (at most max_batch_size)
+    mem_fraction: float | None  # ... or that memory as a fraction of the device's free memory
+    memory_saver: bool  # --offload-rollout: the embedded engine gives its cache back between rollouts, graphs kept
     cuda_graph: bool  # decode steps in CUDA graphs on a CUDA device (embedded)
     max_prompt_len: int | None  # longer prompts are an error (embedded)
     sglang: SGLangEngineConfig  # the servers (sglang), model_path set to model_dir
@@ -115,6 +117,7 @@ class EngineSpec:
             kind=cfg.rollout.engine, kv=cfg.kv, model_dir=model_dir, device=cfg.train.device, bf16=cfg.train.bf16,
             fp32_lm_head=cfg.train.enable_fp32_lm_head,
             max_batch_size=cfg.rollout.max_batch_size, kv_cache_gib=cfg.rollout.kv_cache_gib,
+            mem_fraction=cfg.rollout.mem_fraction, memory_saver=cfg.offloads_rollout,
             cuda_graph=cfg.rollout.cuda_graph,
             max_prompt_len=cfg.data.max_prompt_len,
             sglang=dataclasses.replace(
@@ -135,7 +138,8 @@ def build_engine(spec: EngineSpec):
     model = load_model(spec.model_dir, device, _dtype(spec.bf16))
     return EmbeddedEngine(model, spec.kv, max_batch_size=spec.max_batch_size, device=device,
                           max_prompt_len=spec.max_prompt_len, step_mode=None if spec.cuda_graph else "eager",
-                          fp32_lm_head=spec.fp32_lm_head, kv_cache_gib=spec.kv_cache_gib)
+                          fp32_lm_head=spec.fp32_lm_head, kv_cache_gib=spec.kv_cache_gib,
+                          mem_fraction=spec.mem_fraction, memory_saver=spec.memory_saver)
 
 
 def _sglang_engine(spec: EngineSpec):

@@ -78,6 +78,10 @@ class TrainConfig:
     bf16: bool = field(default=False, metadata={"help": "bf16 weights and compute on the learner (fp32 otherwise)"})
     enable_fp32_lm_head: bool = field(default=False, metadata={"help": FP32_LM_HEAD_HELP})
     device: str = field(default="auto", metadata={"help": "auto (cuda when available) | cpu | cuda"})
+    threads: int | None = field(default=None, metadata={"help": (
+        "torch's CPU threads for training and evaluation; unset: one per 50M parameters of --hf-checkpoint, within "
+        "[1, the cores this process may use] (slime_sparse/utils/threads.py), written into config.yaml as resolved "
+        "so that a saved config reruns at the same speed")})
     seed: int = field(default=42, metadata={"help": (
         "seed of initialisation, sampling and data order (slime's default 1234); 42 here, the seed of the results "
         "this repository reports")})
@@ -107,6 +111,8 @@ class TrainConfig:
                 raise ValueError(f"{flag(self, name)}={getattr(self, name)} is invalid: must lie in [0, 1)")
         if self.micro_batch_size is not None:
             positive(self, "micro_batch_size")
+        if self.threads is not None:
+            positive(self, "threads")
         self._validate_schedule()
         self._validate_recompute()
 

@@ -15,6 +15,7 @@ from slime_sparse.config import SECTIONS, RunConfig
 from slime_sparse.flags import flag_for
 from slime_sparse.utils.hf import tokenizer_eos_id
 from slime_sparse.utils.paths import check_writable_dir
+from slime_sparse.utils.threads import default_threads, model_parameters
 
 
 class StartupError(ValueError):
@@ -24,7 +25,8 @@ class StartupError(ValueError):
 
 def check_inputs(cfg: RunConfig) -> RunConfig:
     """`cfg` checked against what it names, with what comes from the model directory filled in: without
-    --rollout-stop-token-ids, generation stops at the EOS of --hf-checkpoint's tokenizer."""
+    --rollout-stop-token-ids, generation stops at the EOS of --hf-checkpoint's tokenizer; without --threads, the
+    threads the model's size calls for (utils/threads.py)."""
     if not cfg.data.prompt_data:
         raise ValueError(f"{flag_for('data', 'prompt_data')} is required: a local jsonl or parquet file of prompts")
     if not cfg.train.hf_checkpoint:
@@ -35,6 +37,9 @@ def check_inputs(cfg: RunConfig) -> RunConfig:
             section.check_inputs()
     if cfg.rollout.engine == "sglang":  # the embedded engine runs every --kv-* setting
         check_sglang_kv_config(cfg.kv)
+    if cfg.train.threads is None:  # resolved once, so that config.yaml records what the run used
+        threads = default_threads(model_parameters(cfg.train.hf_checkpoint))
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, threads=threads))
     if cfg.sampling.stop_token_ids:
         return cfg
     eos = tokenizer_eos_id(cfg.train.hf_checkpoint)

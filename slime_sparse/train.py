@@ -33,6 +33,7 @@ from slime_sparse.startup import StartupError, check_outputs, save_dir
 from slime_sparse.utils.checkpoint import read_trainer_state, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
 from slime_sparse.utils.seed import set_seed
+from slime_sparse.utils.threads import torch_threads
 
 logger = logging.getLogger("slime_sparse.train")
 SUMMARY_FILE = "summary.json"
@@ -129,6 +130,11 @@ class Run:
                                  wandb=wandb_settings(cfg.log) if cfg.log.use_wandb else None, config=cfg.to_dict(),
                                  start_step=start + 1 if start else 0)  # drop lines logged after the checkpoint
         self.summary: dict = {"status": "interrupted", "last_rollout": start, "evals": {}}
+        if start:  # a resume keeps what the run measured up to its checkpoint: the evaluations, the first rollout
+            before = read_summary(cfg.log.run_dir)
+            self.summary["evals"] = {int(k): v for k, v in before.get("evals", {}).items() if int(k) <= start}
+            if "first" in before:
+                self.summary["first"] = before["first"]
         self.saved = (start, resumed_from)  # the newest rollout with a checkpoint, and where
         self.data_state: dict | None = None  # the prompt stream's position after the last finished rollout
         self.no_gradient_warned = False
@@ -144,7 +150,7 @@ class Run:
             if key not in self.alarmed:
                 warn(f"rollout {step}: {line}; see the metrics list in README.md (each alarm shown once per run)")
                 self.alarmed.add(key)
-        if step == self.start + 1:
+        if step == 1:
             self.summary["first"] = metrics
         self.summary["last"], self.summary["last_rollout"] = metrics, step
         self.data_state = data_state
@@ -189,8 +195,6 @@ def train(cfg: RunConfig, stop: Stop | None = None) -> dict:
                   f"{flag_for('train', 'num_rollout')} to extend it", file=sys.stderr)
             tidy_save_dir(checkpoints, cfg.train.keep_last)  # only what a kill mid-save left (none after a clean end)
             return read_summary(cfg.log.run_dir)
-    print(f"run directory: {cfg.log.run_dir} (config.yaml, metrics.jsonl, summary.json); checkpoints: {checkpoints}",
-          file=sys.stderr, flush=True)
     set_seed(cfg.train.seed)
     try:
         components = build_components(cfg)
@@ -198,6 +202,9 @@ def train(cfg: RunConfig, stop: Stop | None = None) -> dict:
         raise StartupError(str(exc)) from exc
     try:
         start, resumed_from = resume(components, candidates)
+        # only now, the data, model and checkpoint read: a start-up error is the one line a failed start prints
+        print(f"run directory: {cfg.log.run_dir} (config.yaml, metrics.jsonl, summary.json); checkpoints: "
+              f"{checkpoints}", file=sys.stderr, flush=True)
         for line in start_warnings(cfg, max(len(p.prompt_ids) for p in components.stream.dataset.prompts)):
             warn(line)
         tidy_save_dir(checkpoints, cfg.train.keep_last)
@@ -223,6 +230,7 @@ def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
     """Rollouts from `run.start` to --num-rollout, evaluating and saving as due."""
     if run.start == 0 and components.eval_sets:
         run.summary["evals"][0] = evaluate_modes(cfg, components, step=0, logger=run.log)
+        write_summary(cfg.log.run_dir, run.summary)  # an evaluation is in summary.json as soon as it is done
     progress = components.progress(range(run.start, cfg.train.num_rollout), desc="rollouts", initial=run.start)
     for rollout_id in progress:
         step = rollout_id + 1
@@ -237,6 +245,7 @@ def loop(cfg: RunConfig, components: Components, run: Run, stop: Stop) -> None:
                              rm_fail=int(metrics.get("reward/errors", 0) + metrics.get("reward/timeouts", 0)))
         if components.eval_sets and is_due(step, cfg.train.eval_interval, cfg.train.num_rollout):
             run.summary["evals"][step] = evaluate_modes(cfg, components, step=step, logger=run.log)
+            write_summary(cfg.log.run_dir, run.summary)
         if is_due(step, cfg.train.save_interval, cfg.train.num_rollout):
             with stop.deferred():
                 run.save(components, step)
@@ -278,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        with signals_interrupt() as stop:
+        with signals_interrupt() as stop, torch_threads(cfg.train.threads):
             train(cfg, stop)
     except StartupError as exc:
         logger.debug("start-up failed", exc_info=True)  # the traceback, at DEBUG level

@@ -1,9 +1,14 @@
+import os
 
 import pytest
 import torch
 
 # Tiny tensors: one thread is fastest, and OpenMP spinning on shared cores costs seconds per test.
 torch.set_num_threads(1)
+# Triton kernels run on CPU tensors under Triton's interpreter, which is chosen when triton is imported: before any
+# test module imports it (tests/test_rkv_kernel.py).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -41,6 +41,7 @@ def test_rollout_bench_ci_rows():
             assert r["= before"] == "yes"
         if r["engine"] != "hf":
             assert float(r["x hf"]) > 0
+        assert r["captures"] == ("-" if r["engine"] == "hf" else "0")  # warmed at the row's length (no graphs on CPU)
     dense = {(r["batch"], r["engine"]): float(r["peak KV MiB"]) for r in rows if r["KV"] == "dense"}
     for r in rows:
         if r["KV"] != "dense":
@@ -118,8 +119,21 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
     for mode, r in rows.items():
         assert all(float(r[p]) >= 0 for p in phases)
         assert min(float(r["rollout s"]), float(r["recompute s"]), float(r["learner step s"])) > 0
-    # the same KV memory: 8 rows of R-KV 16 + 8 slots (+ a query ring) hold 2 dense rows of 16 + 64 slots
-    assert (int(rows["dense"]["rows at once"]), int(rows["sparse"]["rows at once"])) == (2, 8)
+    # the same memory, as the trainer's --rollout-kv-cache-gib alone: each mode's rows are its engine's admission
+    # (8 rows of R-KV 16 + 8 slots and a query ring hold 2 dense rows of 16 + 64 slots today)
+    from transformers import AutoModelForCausalLM
+
+    from slime_sparse.rollout.embedded import EmbeddedEngine
+
+    tiny = AutoModelForCausalLM.from_pretrained(next((tmp_path / "model").iterdir()))
+    args, admitted = bench.parse_args(["--shape", "tiny"]), {}
+    for mode in ("dense", "sparse"):
+        kv = bench.kv_config(args, mode)
+        admitted[mode] = min(8, EmbeddedEngine(tiny, kv, kv_cache_gib=args.kv_gib).rows_for(kv, 16 + 64))
+    assert {mode: int(r["rows at once"]) for mode, r in rows.items()} == admitted
+    assert admitted["sparse"] >= 3 * admitted["dense"] >= 3
+    # the engine stays warm across steps: one runner, built by the first step; nothing built or captured after it
+    assert all(r["runner builds"] == "0" and r["captures"] == "0" for r in rows.values())
     memory = [dict(zip(cells(bench.MEMORY_HEADER.splitlines()[0]), cells(line))) for line in tables["memory"]]
     assert [(m["mode"], m["phase"]) for m in memory] == [(mode, p) for mode in ("dense", "sparse")
                                                           for p in bench.PLANNED]
@@ -128,6 +142,7 @@ def test_rl_step_bench_tiny_runs_the_loop_and_its_phases_make_the_step(tmp_path)
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["step"]) for r in records] == [("dense", 0), ("dense", 1), ("sparse", 0), ("sparse", 1)]
     assert all(r["gen_tokens"] == 8 * 64 for r in records)  # every answer ran to the response length
+    assert [r["runner_builds"] for r in records] == [1, 0, 1, 0] and all(r["captures"] == 0 for r in records)
     for r in records:  # each step, warm-up included: the timed phases are the step, the rest is bookkeeping
         seconds = r["seconds"]
         assert sum(seconds[p] for p in (*bench.PHASES, "other")) == pytest.approx(seconds["step"], rel=1e-9)
@@ -149,22 +164,36 @@ def test_sglang_compaction_cost_ci_rows(capsys):
     assert out.count("loop == batched: True") == 2
 
 
-def test_rollout_bench_same_kv_memory_and_op_counts(capsys):
-    """--same-kv-gib: each config decodes one wave of what fits in that memory, compression fitting more sequences;
-    --count-ops: a compaction is one batched call whose operations do not grow with the rows compressing, and neither
-    the decode step nor a compaction synchronises with the host."""
+def test_rollout_bench_same_memory_and_op_counts(tmp_path):
+    """--same-memory-gib: each config admits what fits in that memory by the engine's own admission, compression fitting
+    more sequences, and runs a fixed wave of its fit and a length mix of the same sequences for all, each warm (no
+    capture in a timed call); the mix's lengths come from the samples' streams alone, so every config generates the
+    same tokens. --count-ops: a compaction is one batched call whose operations do not grow with the rows compressing,
+    and neither the decode step nor a compaction synchronises with the host."""
+    import json
+
     bench = load("rollout_bench")
+    out = tmp_path / "rows.jsonl"
     lines = bench.main(["--rows", "tiny:4:24:40", "tiny:16:24:40", "--budgets", "16", "--buffer", "8", "--methods",
-                        "rkv", "h2o", "--same-kv-gib", "0.0003", "--same-kv-only", "--count-ops", "--repeats", "1"])
-    fits = [dict(zip(cells(bench.SAME_KV_HEADER.splitlines()[0]), cells(line))) for line in lines
-            if len(cells(line)) == 8]
-    runs = [dict(zip(cells(bench.SAME_KV_RUN_HEADER.splitlines()[0]), cells(line))) for line in lines
-            if len(cells(line)) == 11]
-    assert [r["KV"] for r in runs[:3]] == ["dense", "rkv B=16+8", "h2o B=16+8"]
-    dense_fit, rkv_fit = int(runs[0]["sequences that fit"]), int(runs[1]["sequences that fit"])
-    assert rkv_fit > 2 * dense_fit and int(runs[1]["prompts (one wave)"]) == rkv_fit
-    assert all(float(r["tok/s"]) > 0 for r in runs) and float(runs[0]["x dense"]) == 1.0
-    assert [int(f["sequences that fit"]) for f in fits[:2]] == [dense_fit, rkv_fit]  # the arithmetic is the engine's
+                        "rkv", "h2o", "--same-memory-gib", "0.0003", "--same-memory-only", "--count-ops", "--repeats",
+                        "1", "--mix-prompts", "24", "--json", str(out)])
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    fits = [r for r in records if r["table"] == "same_memory_fit"]
+    runs = [r for r in records if r["table"] == "same_memory"]
+    assert [r["kv"] for r in fits] == ["dense", "rkv B=16+8", "h2o B=16+8"]  # one row: the batch is what fits
+    fit = {r["kv"]: r["fit"] for r in fits}
+    assert fit["rkv B=16+8"] > 2 * fit["dense"] > 0
+    assert all(r["machine"].endswith(f"torch {torch.__version__}") for r in records)
+    assert [(r["kv"], r["workload"]) for r in runs] == [(kv, w) for kv in fit for w in ("mix", "fixed")]
+    for r in runs:
+        assert r["captures"] == 0 and r["tok_s"] > 0 and r["same_tokens"]
+        if r["workload"] == "fixed":  # one wave of what fits, every sequence to the end
+            assert r["rows"] == r["sequences"] == fit[r["kv"]] and r["mean_new"] == 40
+        else:  # the same 24 sequences for every config, ending at sampled lengths (mean 40 // 3, capped at 40)
+            assert r["sequences"] == 24 and r["rows"] == min(24, fit[r["kv"]]) and 3 < r["mean_new"] < 30
+        assert (r["compress_pct"] is None) == (r["kv"] == "dense")
+    assert len({r["mean_new"] for r in runs if r["workload"] == "mix"}) == 1  # the same tokens, so the same lengths
+    assert all(r["x_dense"] == 1.0 for r in runs if r["kv"] == "dense")
     ops = [dict(zip(cells(bench.OPS_HEADER.splitlines()[0]), cells(line))) for line in lines if len(cells(line)) == 10]
     compact = {(r["batch"], r["KV"]): int(r["ops / compaction"]) for r in ops if r["KV"] != "dense"}
     assert compact[("4", "h2o B=16")] == compact[("16", "h2o B=16")] > 0  # one call, whatever the rows

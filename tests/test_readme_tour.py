@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RUN = Path("runs/tiny_cpu_sparse_rl")
+RUN = Path("runs/tour")
+LAST = 12  # the main job's --num-rollout
 
 
 def tour_commands() -> list[str]:
@@ -42,9 +43,9 @@ def tour_commands() -> list[str]:
 
 def test_the_tour_is_the_one_this_test_runs():
     commands = tour_commands()
-    assert commands[:3] == ["python examples/tiny_cpu/run.py"] * 3
+    assert commands[:3] == [f"python examples/tiny_cpu/run.py --run-dir {RUN}"] * 3  # a fresh run directory
     assert [c.split()[0] for c in commands[3:]] == ["slime-sparse-eval", "slime-sparse-eval"]
-    assert all("rollout_000020" in c and "--output reports/" in c for c in commands[3:])
+    assert all(f"{RUN}/checkpoints/rollout_{LAST:06d}" in c and "--output reports/" in c for c in commands[3:])
 
 
 def shims(where: Path) -> dict[str, str]:
@@ -108,7 +109,7 @@ def test_the_tour_runs_as_written(tmp_path):
     second = run(commands[1])
     assert second.returncode == 0, second.stdout + second.stderr
     assert f"at rollout {newest}" in second.stdout + second.stderr
-    assert rollout_steps(work / RUN) == list(range(1, 21))
+    assert rollout_steps(work / RUN) == list(range(1, LAST + 1))
     assert json.loads((work / RUN / "summary.json").read_text())["status"] == "complete"
 
     # 3. once more: complete, nothing changes
@@ -119,10 +120,11 @@ def test_the_tour_runs_as_written(tmp_path):
 
     # 4, 5. the evaluations: the final model's greedy pass@1 under R-KV and dense, as the run itself measured them
     rows = [json.loads(line) for line in (work / RUN / "metrics.jsonl").read_text().splitlines()]
-    final = {k: v for r in rows if r["step"] == 20 for k, v in r.items()}
+    final = {k: v for r in rows if r["step"] == LAST for k, v in r.items()}
     for command, mode in zip(commands[3:], ("sparse", "dense")):
         done = run(command)
         assert done.returncode == 0, done.stdout + done.stderr
         report_path = work / shlex.split(command)[shlex.split(command).index("--output") + 1]
         report = json.loads(report_path.read_text())
-        assert report["pass@1"] == pytest.approx(final[f"eval_{mode}/pass@1"]), mode
+        assert list(report) == ["test"] and done.stdout.strip() == report_path.read_text().strip()
+        assert report["test"]["pass@1"] == pytest.approx(final[f"eval_{mode}/pass@1"]), mode

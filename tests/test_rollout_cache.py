@@ -133,10 +133,11 @@ def test_window_queries_are_the_last_in_order_after_wraparound():
         _, _, _, qs = prefill(cache, 0, [chunk, chunk[:1]], [int(cache.fill[0, 0])] * 2, seed=step)
         history.append(torch.stack(qs)[:, 0])  # [L, HQ, C, D] of row 0
     history = torch.cat(history, dim=2)  # [L, HQ, 7, D]
-    got = cache.window_queries(None, torch.tensor([0, 1]), WIN)  # [L, R', HQ, m, D]
-    assert torch.equal(got[:, 0], history[:, :, -WIN:])
-    assert cache.window_queries(torch.tensor([1]), torch.tensor([1]), 2).shape == (1, 1, HQ, 2, D)
-    assert torch.equal(cache.window_queries(torch.tensor([1]), torch.tensor([0]), WIN)[0, 0], history[1, :, -WIN:])
+    layers = torch.arange(L)
+    got = cache.window_queries(layers, torch.zeros(L, dtype=torch.long), WIN)  # entries (layer l, row 0): [L, HQ, m, D]
+    assert torch.equal(got, history[:, :, -WIN:])
+    assert cache.window_queries(torch.tensor([1]), torch.tensor([1]), 2).shape == (1, HQ, 2, D)
+    assert torch.equal(cache.window_queries(torch.tensor([1]), torch.tensor([0]), WIN)[0], history[1, :, -WIN:])
 
 
 def test_copy_row_copies_all_state():

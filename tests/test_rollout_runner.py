@@ -6,6 +6,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from slime_sparse.kv import KVCompressConfig, row_capacity
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
+from slime_sparse.kv.engine_memory import engine_bytes
 from slime_sparse.rollout.embedded.runner import row_bytes
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -41,14 +42,20 @@ def test_a_second_call_reuses_the_runner_and_another_kv_config_replaces_it():
     assert engine._runner is None and engine.captures == 0
 
 
+def memory_for(m, kv: KVCompressConfig, longest: int, rows: int, prompt: int = 11) -> float:
+    """GiB that hold `rows` rows of this config and every working set (kv/engine_memory.py)."""
+    spec = EmbeddedEngine(m, kv).memory_spec(kv, row_capacity(kv, longest), prompt, PARAMS)
+    return sum(engine_bytes(spec, rows).values()) / 2**30
+
+
 @pytest.mark.parametrize("kv", [KVCompressConfig(), RKV], ids=["dense", "rkv"])
 def test_kv_memory_admits_the_rows_that_fit_and_draws_the_same_tokens(kv):
     m = model()
-    longest = 11 + PARAMS.max_new_tokens
-    per_row = row_bytes(m.config, kv, row_capacity(kv, longest), torch.float32)
-    gib = 5 * per_row / 2**30  # room for five rows of this config, not six
-    engine = EmbeddedEngine(m, kv, max_batch_size=None, kv_cache_gib=gib)
     batch = prompts(12)
+    longest = max(map(len, batch)) + PARAMS.max_new_tokens
+    gib = memory_for(m, kv, longest, 5, max(map(len, batch)))  # room for five rows of this config, not six
+    assert row_bytes(m.config, kv, row_capacity(kv, longest), torch.float32) * 6 < gib * 2**30  # KV alone: six
+    engine = EmbeddedEngine(m, kv, max_batch_size=None, kv_cache_gib=gib)
     out = engine.generate(batch, PARAMS, seed=3)
     assert engine.last_stats.rows == 5
     reference = EmbeddedEngine(m, kv, max_batch_size=5).generate(batch, PARAMS, seed=3)
@@ -61,18 +68,19 @@ def test_kv_memory_admits_the_rows_that_fit_and_draws_the_same_tokens(kv):
 def test_compression_turns_kv_memory_into_concurrency():
     m = model()
     longest = 11 + PARAMS.max_new_tokens
-    gib = 8 * row_bytes(m.config, KVCompressConfig(), row_capacity(KVCompressConfig(), longest), torch.float32) / 2**30
+    gib = memory_for(m, KVCompressConfig(), longest, 8)
     dense = EmbeddedEngine(m, max_batch_size=None, kv_cache_gib=gib)
     sparse = EmbeddedEngine(m, RKV, max_batch_size=None, kv_cache_gib=gib)
-    assert dense.rows_for(KVCompressConfig(), longest) == 8
-    # 51 slots dense against 16 compressed (plus the query ring): about three times the rows
-    assert sparse.rows_for(RKV, longest) >= 20
+    assert dense.rows_for(KVCompressConfig(), longest, 11, PARAMS) == 8
+    # 51 slots dense against 16 compressed (plus the query ring); this tiny model's working sets (a prefill, a
+    # decode step) weigh as much as a few dense rows' KV, and compressed rows take the rest: 11 rows
+    assert sparse.rows_for(RKV, longest, 11, PARAMS) >= 10
 
 
 def test_bad_memory_settings_name_the_flag():
     m = model()
-    with pytest.raises(ValueError, match="--rollout-kv-cache-gib"):
-        EmbeddedEngine(m, max_batch_size=None)
+    with pytest.raises(ValueError, match="--rollout-kv-cache-gib and --rollout-mem-fraction"):
+        EmbeddedEngine(m, kv_cache_gib=1, mem_fraction=0.5)
     with pytest.raises(ValueError, match="--rollout-kv-cache-gib"):
         EmbeddedEngine(m, kv_cache_gib=0)
     with pytest.raises(ValueError, match="holds no row"):

@@ -149,8 +149,10 @@ def test_step_plan_by_hand():
     p = shape.num_parameters()
     plan = plan_step(shape, _step())
     held = {"engine weights": 2 * p, "learner weights": 2 * p, "optimizer": 4 * p, "gradients": 2 * p}
-    kv = 256 * (640 * 2 * 28 * 2 * 128 * 2 + 28 * 8 * 12 * 128 * 2)  # slots x K,V x layers x KV heads x d x bf16 + ring
-    assert {k: plan["rollout"][k] for k in held} == held and plan["rollout"]["KV cache"] == kv
+    # per row: slots x layers x KV heads x (K, V in bf16 + an int32 position) + the query ring + fills and state
+    row = 640 * 28 * 2 * (2 * 128 * 2 + 4) + 28 * 8 * 12 * 128 * 2 + 28 * 8 + 3 * 8 + 4 * 8 + 8 * (8 + 4)
+    kv = 256 * row + 8 * 640 + 5 * 8 * 28  # + the engine's slot index and per-layer constants
+    assert {k: plan["rollout"][k] for k in held} == held and plan["rollout"]["KV cache and row state"] == kv
     assert "KV cache (kept)" not in plan["train"]
     kept = plan_step(shape, _step(offload_rollout=False))
     assert phase_peaks(kept)["train"] == phase_peaks(plan)["train"] + kv

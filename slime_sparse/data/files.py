@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 # File suffix -> HF `datasets` packaged builder.
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -27,7 +28,8 @@ def load_table(path: str, *, skip_unreadable: bool = False):
         # and let such a file fail instead (_locate_json_problem then names the row).
         kwargs["on_mixed_types"] = None
     try:
-        return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", **kwargs), None, []
+        with quiet_datasets():
+            return datasets.load_dataset(builder, data_files=os.path.abspath(path), split="train", **kwargs), None, []
     except Exception as err:  # datasets wraps parse errors in its own types; name the flag, file and row
         if builder == "json" and skip_unreadable:
             rows, unreadable = _read_jsonl_objects(path)
@@ -39,13 +41,31 @@ def load_table(path: str, *, skip_unreadable: bool = False):
                     with open(clean, "w", encoding="utf-8") as fh:
                         fh.writelines(json.dumps(r) + "\n" for _, r in rows)
                     try:
-                        table = datasets.load_dataset(builder, data_files=clean, split="train", **kwargs)
+                        with quiet_datasets():
+                            table = datasets.load_dataset(builder, data_files=clean, split="train", **kwargs)
                     except Exception:
                         detail = _locate_json_problem(path, skip=set(i for i, _ in unreadable))
                         raise ValueError(f"--prompt-data {path}: {detail or err}") from err
                     return table, keep, unreadable
         detail = _locate_json_problem(path) if builder == "json" else None
         raise ValueError(f"--prompt-data {path}: {detail or f'cannot be read as {builder}: {err}'}") from err
+
+
+@contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """`datasets` without its progress bars and log lines for the duration: a file that fails to load is reported
+    once, as our one line naming the row (its own error log and pyarrow's message would come first otherwise)."""
+    from datasets.utils import logging as ds_logging
+
+    verbosity, bars = ds_logging.get_verbosity(), ds_logging.is_progress_bar_enabled()
+    ds_logging.set_verbosity(ds_logging.CRITICAL + 1)  # above every level: its load errors are ours to report
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(verbosity)
+        if bars:
+            ds_logging.enable_progress_bar()
 
 
 def _read_jsonl_objects(path: str) -> tuple[list[tuple[int, dict]], list[tuple[int, str]]]:
@@ -126,7 +146,8 @@ def _locate_json_problem(path: str, skip: set[int] = frozenset()) -> str | None:
             seen_kind, seen_row = first_kind.setdefault(key, (kind, row_idx))
             if kind != seen_kind:
                 return (
-                    f"row {row_idx} (0-based){where}: {key!r} holds a {kind} but row {seen_row} holds a {seen_kind}; "
+                    f"row {row_idx} (0-based){where}: {key!r} holds {_a(kind)} but row {seen_row} holds "
+                    f"{_a(seen_kind)}; "
                     "a column must hold one JSON type (this row cannot be skipped, fix it)"
                 )
     return None
@@ -138,3 +159,7 @@ def _json_kind(value: Any) -> str:
     if isinstance(value, (int, float)):
         return "number"  # Arrow widens int to float within a column
     return {str: "string", list: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _a(kind: str) -> str:
+    return f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}"

@@ -84,6 +84,8 @@ class KVCompressConfig(FromPreset):
     @classmethod
     def check_preset(cls, name: str, overrides: Mapping[str, Any]) -> None:
         method = overrides.get("method", cls.method)
+        if method not in METHODS:  # a typo in the method, not a gap in the preset: name the methods
+            raise ValueError(f"{cls.flag('method')}={method!r} is invalid: choose one of {METHODS}")
         if method != "none" and method not in PRESETS[name].methods:
             covering = [n for n, p in PRESETS.items() if method in p.methods]
             raise ValueError(f"{cls.flag('preset')}={name!r} is invalid: has no settings for "

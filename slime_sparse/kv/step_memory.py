@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import KVCompressConfig
+from .engine_memory import KV_PART, EngineSpec, engine_bytes
 from .memory_plan import ModelShape
 
 RECOMPUTE = (None, "selective", "full")
@@ -122,6 +124,7 @@ class StepSpec:
     offload_rollout: bool = True  # the engine's KV cache is given back while the learner works (--offload-rollout)
     with_ref: bool = False  # a frozen reference model (--use-kl-loss with a coefficient)
     entropy: bool = False  # --entropy-coef != 0
+    kv: KVCompressConfig | None = None  # the rollout's compression (None: R-KV if kv_window > 0, else dense)
 
     def __post_init__(self) -> None:
         if self.learner not in LEARNERS:
@@ -136,6 +139,18 @@ class StepSpec:
     def micro_batch(self) -> MicroBatch:
         return MicroBatch.fill(self.max_tokens_per_gpu, self.prompt_len, self.response_len)
 
+    def engine(self, shape: ModelShape) -> EngineSpec:
+        """The in-process engine of the rollout phase as its own admission counts it (kv/engine_memory.py): on a GPU,
+        with CUDA graphs, reading back every 8 steps, sampling at the trainer's defaults."""
+        kv = self.kv
+        if kv is None and self.kv_window:  # R-KV holding kv_slots = budget + buffer, in the default's proportions
+            default = KVCompressConfig()
+            buffer = max(1, self.kv_slots * default.buffer // (default.budget + default.buffer))
+            kv = KVCompressConfig(method="rkv", budget=self.kv_slots - buffer, buffer=buffer, window=self.kv_window)
+        kv = kv or KVCompressConfig()
+        return EngineSpec(shape, kv, self.kv_slots, min(self.prompt_len, self.kv_slots), self.dtype_bytes,
+                          graphs=True, readback=8)
+
 
 PHASES = ("rollout", "recompute", "train", "weight update")
 
@@ -146,20 +161,17 @@ def plan_step(shape: ModelShape, step: StepSpec) -> dict[str, dict[str, int]]:
     Held throughout: both copies of the weights (the engine's and the learner's, plus a frozen reference), the
     optimizer state (embedded: torch AdamW's two moments in the weights' dtype; Megatron: fp32 master weights and
     moments) and the gradients (embedded: in the weights' dtype, kept from one step to the next; Megatron: its fp32
-    buffer). The engine's KV cache counts in the rollout phase, and in every other one
-    unless the engine gives it back (`offload_rollout`). Rollout adds the engine's working set: a prefill of every
-    row's prompt (the MLP's three intermediate tensors and four hidden-sized ones per token) and fp32 logits per
-    row; the weight update adds, for Megatron, the exported copy it hands to the engine at once (the embedded
-    learner's tensors are copied in place)."""
+    buffer). The engine's KV cache and row state count in the rollout phase, and in every other one unless the
+    engine gives them back (`offload_rollout`). Rollout adds the engine's working sets, as its admission counts them
+    (`engine_memory.engine_bytes`: a decode step's logits and sampler, a prefill, a compaction's workspace); the
+    weight update adds, for Megatron, the exported copy it hands to the engine at once (the embedded learner's
+    tensors are copied in place)."""
     b, p = step.dtype_bytes, shape.num_parameters()
     embedded = step.learner == "embedded"
     held = {"engine weights": p * b, "learner weights": p * b * (2 if step.with_ref else 1),
             "optimizer": p * (2 * b if embedded else 12), "gradients": p * (b if embedded else FP32)}
-    kv = step.engine_rows * (step.kv_slots * shape.kv_bytes_per_token(b) + shape.query_ring_bytes(step.kv_window, b))
-    idle_kv = {} if step.offload_rollout else {"KV cache (kept)": kv}
-    rows = min(step.engine_rows, step.seqs)
-    prefill = rows * step.prompt_len * b * (3 * shape.intermediate_size + 4 * shape.hidden_size)
-    engine_work = max(prefill, rows * shape.vocab_size * FP32 * 2)
+    engine = engine_bytes(step.engine(shape), min(step.engine_rows, step.seqs))
+    idle_kv = {} if step.offload_rollout else {"KV cache (kept)": engine[KV_PART]}
     mb = step.micro_batch
     unfused = not embedded  # Megatron's local spec (no Transformer Engine on the planned machine)
     if embedded:
@@ -173,7 +185,7 @@ def plan_step(shape: ModelShape, step: StepSpec) -> dict[str, dict[str, int]]:
         activations = max(activations, p * b)
     train = {"micro-batch activations": activations}
     return {
-        "rollout": {**held, "KV cache": kv, "engine working set": engine_work},
+        "rollout": {**held, **engine},
         "recompute": {**held, **idle_kv, "micro-batch activations": recompute},
         "train": {**held, **idle_kv, **train},
         "weight update": {**held, **idle_kv, **({} if embedded else {"exported copy": p * b})},

@@ -28,12 +28,22 @@ class RolloutConfig:
         "samples of each prompt, the GRPO group (slime's default 1); 8 here, the paper's")})
     engine: str = field(default="embedded", metadata={"help": (
         "embedded (pure PyTorch, in process or a Ray actor) | sglang (patched SGLang servers)")})
-    max_batch_size: int = field(default=64, metadata={"help": (
-        "sequences decoded at once per engine (embedded; with --rollout-kv-cache-gib, at most this many)")})
+    max_batch_size: int | None = field(default=None, metadata={"help": (
+        "sequences decoded at once per engine at most (embedded). Default: 64 without a memory size; none with "
+        "--rollout-kv-cache-gib or --rollout-mem-fraction, which then admit what fits (as SGLang's "
+        "--max-running-requests defaults from its memory)")})
     kv_cache_gib: float | None = field(default=None, metadata={"help": (
-        "embedded engine: KV memory for its cache; it decodes as many sequences at once as rows of the KV config's "
-        "size fit (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole sequence), at most "
-        "--rollout-max-batch-size (SGLang's --mem-fraction-static with --max-running-requests)")})
+        "embedded engine: memory for its KV cache and every working set; it decodes as many sequences at once as fit "
+        "with them: each row's KV (a compressed row holds --kv-budget + --kv-buffer slots, a dense one the whole "
+        "sequence) and state, plus a decode step's logits and sampler, a prefill's activations and a compaction's "
+        "bounded workspace (slime_sparse/kv/engine_memory.py; tools/plan_memory.py prints the same count), at most "
+        "--rollout-max-batch-size if given (SGLang's --mem-fraction-static with --max-running-requests)")})
+    mem_fraction: float | None = field(default=None, metadata={"help": (
+        "embedded engine: --rollout-kv-cache-gib as this fraction of the device memory free when the engine is "
+        "built, after the learner's and the engine's weights are loaded (CUDA: torch.cuda.mem_get_info; CPU: "
+        "MemAvailable of /proc/meminfo). The rest must hold what the learner allocates later (optimizer state, "
+        "activations: tools/plan_memory.py). SGLang's --mem-fraction-static, of free memory rather than of the total "
+        "(here the learner's weights stay resident)")})
     cuda_graph: bool = field(default=True, metadata={"help": (
         "embedded engine on CUDA: decode steps replay CUDA graphs (one per padded batch size, captured on first use); "
         "--disable-cuda-graph (SGLang's name) runs them eagerly. SGLang servers: --sglang-cuda-graph")})
@@ -95,11 +105,12 @@ class RolloutConfig:
         return self.over_sampling_batch_size or self.rollout_batch_size
 
     def validate(self) -> None:
-        positive(self, "rollout_batch_size", "n_samples_per_prompt", "max_batch_size", "dynamic_sampling_max_rounds")
+        positive(self, "rollout_batch_size", "n_samples_per_prompt", "dynamic_sampling_max_rounds")
         non_negative(self, "dynamic_sampling_min_kept_samples")
-        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
-            raise ValueError(f"{flag(self, 'kv_cache_gib')}={self.kv_cache_gib} must be > 0 (GiB of KV memory)")
+        if self.max_batch_size is not None:
+            positive(self, "max_batch_size")
         choice(self, "engine", ROLLOUT_ENGINES)
+        self._validate_memory()
         choice(self, "advantage_estimator", ADVANTAGE_ESTIMATORS)
         self.advantage_spec.validate()
         if self.n_samples_per_prompt == 1 and self.advantage_estimator != "reinforce_plus_plus":
@@ -116,6 +127,21 @@ class RolloutConfig:
             raise ValueError(f"{flag(self, 'dynamic_sampling_min_kept_samples')}={self.dynamic_sampling_min_kept_samples}"
                              f" exceeds {flag(self, 'n_samples_per_prompt')}={self.n_samples_per_prompt}: every "
                              "group would be dropped")
+
+    def _validate_memory(self) -> None:
+        gib, fraction = flag(self, "kv_cache_gib"), flag(self, "mem_fraction")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ValueError(f"{gib}={self.kv_cache_gib} is invalid: must be > 0 (GiB for the KV cache and working "
+                             "sets)")
+        if self.mem_fraction is not None and not 0 < self.mem_fraction < 1:
+            raise ValueError(f"{fraction}={self.mem_fraction} is invalid: must lie in (0, 1)")
+        if self.kv_cache_gib is not None and self.mem_fraction is not None:
+            raise ValueError(f"{gib} and {fraction} both size the rollout engine's memory: give one")
+        if self.engine == "sglang":
+            given = [flag(self, n) for n in ("kv_cache_gib", "mem_fraction") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"{' and '.join(given)} size the embedded engine; with {flag(self, 'engine')} sglang "
+                                 "the servers size themselves: --sglang-mem-fraction-static")
 
     def check_inputs(self) -> None:
         """The filters and the rollout function import (a path that does not fails naming its flag)."""

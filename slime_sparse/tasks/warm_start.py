@@ -24,19 +24,19 @@ from there to the same weights.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from slime_sparse.utils.logging import progress_bar
+from slime_sparse.utils.threads import torch_threads
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips
 
@@ -209,18 +209,6 @@ def length_groups(lengths: Sequence[int], overhead: int = _GROUP_OVERHEAD_TOKENS
         parts.append(order[cut[j]:j])
         j = cut[j]
     return parts[::-1]
-
-
-@contextlib.contextmanager
-def torch_threads(n: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to `n` inside the block (None: unchanged)."""
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def warm_start(

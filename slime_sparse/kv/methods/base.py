@@ -18,6 +18,9 @@ registry, so adding a method is one module in this package plus its test:
             ...
             return with_protected(scores[..., : scored_length(self.window, n)], n, self.sinks)
 
+        def score_bytes(self, s: ScoreShape) -> int:       # the peak bytes `score` allocates for a call of shape s
+            ...
+
 and an import line in `methods/__init__.py` (the registry's order is the CLI's). A knob no registered method has yet
 is also one field of `KVCompressConfig` (`method_knob("name")`: its flag, YAML key and checkpoint field), since
 flags are typed fields of the run config.
@@ -62,6 +65,48 @@ def gqa_knob() -> Any:
 
 def bad_knob(name: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{FLAG_PREFIX}{name.replace('_', '-')}={value!r} is invalid: {why}")
+
+
+@dataclass(frozen=True)
+class ScoreShape:
+    """One `score` call as the memory accounting sees it: `entries` (layer, row) pairs of `heads` KV heads holding
+    `slots` keys of `head_dim` in `dtype_bytes` each, scored with `queries` window queries of `q_heads` heads, on a
+    `device` ("cuda" or "cpu": R-KV's search differs)."""
+
+    entries: int
+    heads: int
+    q_heads: int
+    head_dim: int
+    slots: int
+    queries: int
+    dtype_bytes: int
+    device: str = "cuda"
+
+    @property
+    def keys(self) -> int:
+        """Key elements: entries x heads x slots x head_dim."""
+        return self.entries * self.heads * self.slots * self.head_dim
+
+    @property
+    def per_slot(self) -> int:
+        """One value per (entry, head, slot): a score's elements."""
+        return self.entries * self.heads * self.slots
+
+    @property
+    def upcast(self) -> int:
+        """Bytes per element of an fp32 copy of a half-precision input (`.float()` of fp32 copies nothing)."""
+        return 4 if self.dtype_bytes != 4 else 0
+
+
+def window_logits_bytes(s: ScoreShape, window: int) -> int:
+    """Peak bytes of `ops.causal_window_attention` (SnapKV): fp32 copies of the keys and queries while the logits are
+    computed, the logits and their scaled copy, then logits, the masked copy and the softmax; then the sums over the
+    window, pooled and reduced over each KV group, and the protected scores."""
+    logits = 4 * s.entries * s.q_heads * s.queries * s.slots
+    queries = s.upcast * s.entries * s.q_heads * s.queries * s.head_dim
+    scored = s.entries * max(s.slots - window, 0)
+    tail = 4 * s.entries * s.q_heads * s.slots + 4 * scored * (s.q_heads + s.heads) + 4 * s.per_slot
+    return max(s.upcast * s.keys + queries + logits, queries + 2 * logits, 3 * logits + s.queries * s.slots, tail)
 
 
 @dataclass(frozen=True)
@@ -112,6 +157,12 @@ class KVMethod:
         [..., Hkv, n] (methods that track it) -> [..., Hkv, n] float32, higher = keep; the sinks and the last
         `window` slots carry +inf. Leading dims broadcast (layers x rows of an engine step): an entry's scores equal
         that entry scored alone."""
+        raise NotImplementedError
+
+    def score_bytes(self, s: ScoreShape) -> int:
+        """Peak bytes `score` allocates for a call of shape `s` (inputs excluded, its output included), as torch's
+        allocator sees them: what the compressor sizes its chunks by and the engine's admission counts
+        (kv/engine_memory.py). Checked against measured allocations (tests/test_engine_memory.py)."""
         raise NotImplementedError
 
 

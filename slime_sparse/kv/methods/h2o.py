@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..ops import causal_window_attention, gqa_reduce, scored_length, with_protected
-from .base import KVMethod, check_gqa, gqa_knob, register
+from .base import KVMethod, ScoreShape, check_gqa, gqa_knob, register
 
 
 @register
@@ -31,3 +31,7 @@ class H2O(KVMethod):
             attn_mass = gqa_reduce(causal_window_attention(keys, queries).sum(dim=-2), n_kv_heads, self.gqa_reduce,
                                    dim=-2)
         return with_protected(attn_mass.float()[..., : scored_length(self.window, n)], n, self.sinks)
+
+    def score_bytes(self, s: ScoreShape) -> int:
+        """The engines track the mass: the protected scores alone (the window's attention otherwise)."""
+        return 4 * s.per_slot

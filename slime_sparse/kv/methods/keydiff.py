@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..ops import scored_length, with_protected
-from .base import KVMethod, register
+from .base import KVMethod, ScoreShape, register
 from .rkv import COSINE_EPS
 
 
@@ -31,3 +31,10 @@ class KeyDiff(KVMethod):
         anchor = unit.mean(dim=-2, keepdim=True)  # [..., Hkv, 1, d]
         score = -F.cosine_similarity(keys.float(), anchor, dim=-1, eps=COSINE_EPS)  # [..., Hkv, n]
         return with_protected(score[..., : scored_length(self.window, n)], n, self.sinks)
+
+    def score_bytes(self, s: ScoreShape) -> int:
+        """The unit keys (beside an fp32 copy of half keys), then the unit keys, the anchor, a second fp32 copy and
+        the cosines (what `cosine_similarity` allocates inside is not counted: torch's CPU allocator hides it)."""
+        anchor = 4 * s.entries * s.heads * s.head_dim
+        return max((s.upcast + 4) * s.keys + 4 * s.per_slot,
+                   4 * s.keys + anchor + max(s.upcast * s.keys + 4 * s.per_slot, 8 * s.per_slot))

@@ -1,19 +1,28 @@
 """R-KV: attention importance minus key redundancy, for reasoning traces compressed while they are decoded."""
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..ops import attention_logits, gqa_reduce, pool1d, scored_length, with_protected
-from .base import KVMethod, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob, pooling_knob, register
+from .base import (KVMethod, ScoreShape, bad_knob, check_gqa, check_pooling, gqa_knob, kernel_knob, knob,
+                   pooling_knob, register)
 
 COSINE_EPS = 1e-8  # R-KV's epsilon in k / (||k|| + eps)
-# Scratch memory for the similarity blocks of one redundancy call: about an L2 cache on CPU, where bigger blocks are
-# memory-bound; on CUDA enough for few blocks (few kernel launches) at a fraction of an 80 GB GPU.
-SIM_SCRATCH_BYTES = {"cuda": 1 << 30}
+# Scratch memory for the similarity blocks of one redundancy call on the PyTorch path (blocks and their temporaries):
+# about an L2 cache on CPU, where bigger blocks are memory-bound; on CUDA a few blocks at a small share of the
+# compaction's workspace (the compressor bounds the whole of it).
+SIM_SCRATCH_BYTES = {"cuda": 256 << 20}
 DEFAULT_SIM_SCRATCH_BYTES = 4 << 20
+SIM_TEMP_BYTES = 1 + 4 + 4  # per similarity entry beside the block: `sim > t` (bool), its int32 cast, times slot
+# The near-duplicate search: "triton" (kv/kernels/rkv.py), "torch" (the reference), or "auto" (the default: Triton on
+# CUDA when it is importable).
+KERNEL_ENV = "SLIME_SPARSE_RKV_KERNEL"
+KERNEL_CHOICES = ("auto", "triton", "torch")
 
 
 @register
@@ -54,8 +63,19 @@ class RKV(KVMethod):
         mixed = self.mix_lambda * self.importance(keys, queries) - (1.0 - self.mix_lambda) * redundancy
         return with_protected(mixed, n, self.sinks)
 
+    def score_bytes(self, s: ScoreShape) -> int:
+        """The redundancy's peak (`redundancy_bytes`), or the importance's beside the redundancy it keeps: fp32 copies
+        of half keys and queries while the logits are computed, logits and their scaled copy, then the GQA-reduced
+        logits and their softmax."""
+        logits = 4 * s.entries * s.q_heads * s.queries * s.slots
+        queries = s.upcast * s.entries * s.q_heads * s.queries * s.head_dim
+        reduced = 4 * s.entries * s.heads * s.queries * s.slots
+        importance = queries + max(s.upcast * s.keys + logits, 2 * logits, logits + 2 * reduced)
+        return max(redundancy_bytes(s), 4 * s.per_slot + importance)
 
-def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None) -> Tensor:
+
+def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None = None,
+                   kernel: str | None = None) -> Tensor:
     """R-KV's redundancy of every slot: [..., Hkv, n] float32, a softmax over slots (each head's row sums to 1).
 
     Per KV head, S = cosine similarity of keys with the diagonal zeroed. In each row i, the entry of the *newest*
@@ -66,22 +86,27 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
     that row's similarity to slot 0 is zeroed too (slot 0 looks slightly less redundant).
 
     Computed without keeping S: a column sum of S is u_j . sum_i u_i - u_j . u_j (u the unit keys, fp32), and only
-    j*(i) and S[i, j*(i)] need S itself, found block by block within `scratch_bytes` (default: SIM_SCRATCH_BYTES by
-    device). R-KV materialises S and passes over it about seven times; this reads each block twice. The blocks are
-    computed in the keys' dtype when it is half precision (bf16 / fp16 caches on a GPU: tensor cores, half the bytes),
-    which is where R-KV's own code finds near-duplicates (its `cal_similarity` runs in the cache's dtype); the values
-    subtracted and the column sums stay fp32. fp32 keys: everything in fp32.
+    j*(i) and S[i, j*(i)] need S itself. The near-duplicates are searched in the keys' dtype when it is half
+    precision (bf16 / fp16 caches on a GPU: tensor cores, half the bytes), which is where R-KV's own code finds them
+    (its `cal_similarity` runs in the cache's dtype); the values subtracted and the column sums stay fp32. fp32
+    keys: everything in fp32. Two ways to search, equal up to fp32 rounding (`kernel`, default `redundancy_kernel`):
+    - "triton": kv/kernels/rkv.py, which never writes S and charges the columns without atomics (deterministic);
+    - "torch": S in blocks of at most `scratch_bytes` of temporaries (default SIM_SCRATCH_BYTES by device), each
+      read twice, the columns charged with `scatter_add_`. The reference.
     """
-    k = keys.float()
-    unit = k / (k.norm(dim=-1, keepdim=True) + COSINE_EPS)
+    unit = keys.float()
+    unit = unit / (unit.norm(dim=-1, keepdim=True) + COSINE_EPS)  # the fp32 copy of half keys is freed here
     n, d = unit.shape[-2:]
     flat = unit.reshape(-1, n, d)  # [E, n, d]: one entry per (leading index, head)
     columns = (flat @ flat.sum(dim=1).unsqueeze(-1)).squeeze(-1) - (flat * flat).sum(dim=-1)  # [E, n]
     half = keys.dtype in (torch.bfloat16, torch.float16)
+    if (kernel or redundancy_kernel(keys.device)) == "triton":
+        from ..kernels.rkv import charged_columns  # Triton is imported only where the kernel runs
+
+        columns = charged_columns(flat, columns, sim_threshold, keys.dtype if half else torch.float32)
+        return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
     search = flat.to(keys.dtype) if half else flat
-    if scratch_bytes is None:
-        scratch_bytes = SIM_SCRATCH_BYTES.get(keys.device.type, DEFAULT_SIM_SCRATCH_BYTES)
-    block = max(1, scratch_bytes // (search.element_size() * n * n))
+    block = sim_block(n, search.element_size(), keys.device, scratch_bytes)
     slots = torch.arange(n, device=keys.device)
     for start in range(0, flat.shape[0], block):
         part = search[start : start + block]
@@ -96,6 +121,43 @@ def rkv_redundancy(keys: Tensor, sim_threshold: float, scratch_bytes: int | None
             value = sim.gather(-1, newest.unsqueeze(-1)).squeeze(-1)
         columns[start : start + block].scatter_add_(-1, newest, -value)
     return (columns / n).softmax(dim=-1).reshape(unit.shape[:-1])
+
+
+def sim_block(n: int, element_size: int, device: torch.device, scratch_bytes: int | None = None) -> int:
+    """(Entry, head) pairs whose n x n similarity the PyTorch path computes at once: its block and the temporaries
+    `newest_duplicate` makes of it (a bool and two int32 per entry) within `scratch_bytes` (default
+    SIM_SCRATCH_BYTES by device)."""
+    if scratch_bytes is None:
+        scratch_bytes = SIM_SCRATCH_BYTES.get(device.type, DEFAULT_SIM_SCRATCH_BYTES)
+    return max(1, scratch_bytes // ((element_size + SIM_TEMP_BYTES) * n * n))
+
+
+def redundancy_bytes(s: ScoreShape) -> int:
+    """Peak bytes of `rkv_redundancy` over a call of shape `s`: the unit keys beside the fp32 copy of half keys and
+    the norms; the unit keys, x * x and the column sums; then the search: the unit keys, the column sums and (half
+    keys) their cast, with either the kernel's three [E, n] outputs or the PyTorch path's block of similarities and
+    its temporaries (or, half keys, the block beside two gathers of unit keys for S[i, j*])."""
+    unit, per_slot, n = 4 * s.keys, 4 * s.per_slot, s.slots
+    prepare = max(s.upcast * s.keys + unit + 2 * per_slot, 2 * unit + 2 * per_slot)
+    if redundancy_kernel(torch.device(s.device)) == "triton":
+        return max(prepare, unit + 4 * per_slot)
+    half = s.dtype_bytes != 4
+    search = s.dtype_bytes if half else 4
+    block = min(s.entries * s.heads, sim_block(n, search, torch.device(s.device)))
+    sims = block * n * n
+    temps = max(sims * (search + 8), sims * search + (8 * block * n * s.head_dim if half else 0))
+    return max(prepare, unit + per_slot + (s.dtype_bytes * s.keys if half else 0) + 8 * n + temps + 8 * block * n)
+
+
+def redundancy_kernel(device: torch.device) -> str:
+    """Which near-duplicate search `rkv_redundancy` runs on `device`: the env KERNEL_ENV ("triton", "torch"), else
+    ("auto") the Triton kernel on CUDA when triton is importable, the PyTorch path otherwise."""
+    choice = os.environ.get(KERNEL_ENV, "auto")
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV}={choice!r} is invalid: choose one of {KERNEL_CHOICES}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and importlib.util.find_spec("triton") is not None else "torch"
+    return choice
 
 
 def newest_duplicate(sim: Tensor, threshold: float) -> Tensor:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from ..ops import causal_window_attention, gqa_reduce, pool1d, scored_length, with_protected
-from .base import KVMethod, check_gqa, check_pooling, gqa_knob, kernel_knob, pooling_knob, register
+from .base import (KVMethod, ScoreShape, check_gqa, check_pooling, gqa_knob, kernel_knob, pooling_knob, register,
+                   window_logits_bytes)
 
 
 @register
@@ -36,3 +37,6 @@ class SnapKV(KVMethod):
         mass = causal_window_attention(keys, queries).sum(dim=-2)[..., :m]  # [..., Hq, m]
         pooled = pool1d(mass, self.kernel_size, self.pooling)
         return with_protected(gqa_reduce(pooled, n_kv_heads, self.gqa_reduce, dim=-2), n, self.sinks)
+
+    def score_bytes(self, s: ScoreShape) -> int:
+        return window_logits_bytes(s, self.window)

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from ..ops import scored_length, with_protected
-from .base import KVMethod, register
+from .base import KVMethod, ScoreShape, register
 
 
 @register
@@ -25,3 +25,6 @@ class StreamingLLM(KVMethod):
         m = scored_length(self.window, n)
         recency = torch.arange(m, dtype=torch.float32, device=keys.device)
         return with_protected(recency.expand(*keys.shape[:-2], m), n, self.sinks)
+
+    def score_bytes(self, s: ScoreShape) -> int:
+        return 4 * s.per_slot + 4 * s.slots

@@ -24,6 +24,7 @@ in `attention.py` reads its mask from here (`attention_mask`) and records querie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -44,17 +45,19 @@ class DecodeView:
 class BudgetKVCache(Cache):
     def __init__(self, *, num_rows: int, num_layers: int, num_kv_heads: int, num_q_heads: int, head_dim: int,
                  capacity: int, window: int, record_queries: bool, track_mass: bool, device: torch.device,
-                 dtype: torch.dtype, shared_fill: bool = True) -> None:
+                 dtype: torch.dtype, shared_fill: bool = True, zeros: Callable[..., Tensor] | None = None) -> None:
         super().__init__(layers=[])  # we keep our own tensors; transformers' per-layer objects are unused
         self.num_layers, self.num_kv_heads, self.capacity, self.window = num_layers, num_kv_heads, capacity, window
         self.device = device
+        # zeros(shape, dtype): where the large tensors come from (the runner's arena, which can give them back)
+        zeros = zeros or (lambda shape, dt: torch.zeros(shape, device=device, dtype=dt))
         rows_slots = (num_layers, num_rows, num_kv_heads, capacity)
-        self.key = torch.zeros(*rows_slots, head_dim, device=device, dtype=dtype)
-        self.value = torch.zeros_like(self.key)
-        self.positions = torch.zeros(rows_slots, device=device, dtype=torch.int32)
-        self.queries = (torch.zeros(num_layers, num_rows, num_q_heads, window, head_dim, device=device, dtype=dtype)
+        self.key = zeros((*rows_slots, head_dim), dtype)
+        self.value = zeros((*rows_slots, head_dim), dtype)
+        self.positions = zeros(rows_slots, torch.int32)
+        self.queries = (zeros((num_layers, num_rows, num_q_heads, window, head_dim), dtype)
                         if record_queries else None)
-        self.mass = torch.zeros(rows_slots, device=device, dtype=torch.float32) if track_mass else None
+        self.mass = zeros(rows_slots, torch.float32) if track_mass else None
         self.fill = torch.zeros(num_layers, num_rows, dtype=torch.int64, device=device)
         self.seen = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self._arange_rows = torch.arange(num_rows, device=device)
@@ -219,20 +222,21 @@ class BudgetKVCache(Cache):
         self.seen[dst] = self.seen[src]
 
     # ---- compaction (compressor.py) ----
-    def gather(self, t: Tensor, layers: Tensor | None, rows: Tensor, n: int | None = None) -> Tensor:
-        """[L', R', ...] copy of the first n slots (all, for n None) of `rows` in `layers` (None: every layer) of a
-        cache tensor: one indexing op that copies only what it returns."""
+    def gather(self, t: Tensor, layers: Tensor, rows: Tensor, n: int | None = None) -> Tensor:
+        """[E, ...] copy of the first n slots (all, for n None) of entries (layers[e], rows[e]) of a cache tensor (both
+        [E]): one indexing op that copies only what it returns."""
         if n is not None:
             t = t[:, :, :, :n]
-        return t[:, rows] if layers is None else t[layers[:, None], rows[None, :]]
+        return t[layers, rows]
 
-    def window_queries(self, layers: Tensor | None, rows: Tensor, m: int) -> Tensor:
-        """[L', R', Hq, m, d]: each row's last m queries in `layers`, oldest first (every row has seen at least m)."""
+    def window_queries(self, layers: Tensor, rows: Tensor, m: int) -> Tensor:
+        """[E, Hq, m, d]: the last m queries of entries (layers[e], rows[e]), oldest first (every row has seen at least
+        m)."""
         if self.queries is None:
             raise RuntimeError("this cache does not record queries")
-        order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [R', m]
-        ring = self.gather(self.queries, layers, rows)  # [L', R', Hq, window, d]
-        return ring.gather(3, order[None, :, None, :, None].expand(ring.shape[0], -1, ring.shape[2], -1, ring.shape[4]))
+        order = (self.seen[rows, None] - m + torch.arange(m, device=self.device)) % self.window  # [E, m]
+        ring = self.gather(self.queries, layers, rows)  # [E, Hq, window, d]
+        return ring.gather(2, order[:, None, :, None].expand(-1, ring.shape[1], -1, ring.shape[3]))
 
     def compact(self, layers: Tensor, rows: Tensor, kept: Tensor, fill_after: Tensor) -> None:
         """Move slots kept [L', R', H', W] (sorted; L' and H' may be 1: shared by every layer / head) of `layers`

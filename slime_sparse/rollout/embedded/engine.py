@@ -9,8 +9,12 @@ never waits for the device; compaction (compressor.py) runs between steps, for e
 KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
 too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
 above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
-KV memory: given `kv_cache_gib`, the engine decodes as many sequences at once as rows of the method's size fit in it
-(a compressed row holds budget + buffer slots, a dense one the whole sequence), so compression becomes concurrency.
+Memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), the engine decodes as many sequences at once as
+fit in it with every working set: a row's KV (a compressed row holds budget + buffer slots, a dense one the whole
+sequence) and state, plus the largest of a decode step's, a prefill's and a compaction's temporaries
+(kv/engine_memory.py counts them; the planner uses the same count), so compression becomes concurrency. Between
+rollouts a `memory_saver` engine gives that memory back and takes it again without capturing its CUDA graphs again
+(`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
 Random streams: sample i of a call seeded `seed` draws its t-th token with the Gumbel noise of
 counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`),
@@ -26,9 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
+from slime_sparse.kv import engine_memory
+from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput, KVStats
+from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
@@ -36,13 +43,14 @@ from .attention import budget_attention_installed, pick_decode_attention
 from .contract import check_model, eos_ids
 from .decode_body import DecodeBody
 from .decode_body import build as build_body
-from .runner import ModelRunner, RunnerShape, row_bytes
+from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
 
 LONG_PROMPT_POLICIES = ("error", "skip")
+DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
 
@@ -67,8 +75,11 @@ class EmbeddedEngine:
       then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
       ever runs past its end).
     fp32_lm_head: the LM head in fp32 (--enable-fp32-lm-head; `slime_sparse.utils.lm_head`).
-    kv_cache_gib: KV memory for the cache (--rollout-kv-cache-gib): the engine decodes as many sequences at once as
-      rows of the KV config's size fit in it (at most max_batch_size, if given). None: max_batch_size rows.
+    kv_cache_gib: memory for the cache and every working set (--rollout-kv-cache-gib): the engine decodes as many
+      sequences at once as fit in it (`memory_spec`; at most max_batch_size, if given). mem_fraction: instead, that
+      fraction of the device's free memory once the weights are loaded (--rollout-mem-fraction).
+    max_batch_size: None: no cap with a memory size (what fits), else DEFAULT_MAX_BATCH_SIZE.
+    memory_saver: `release_memory` gives the cache back but keeps the runner and its graphs (--offload-rollout).
     decode_attention: "triton" (a split-KV kernel reading each row's length; the default on CUDA if it passes its
       self-check against SDPA) or "sdpa" (a mask over the padded span; the default elsewhere).
     hf_decode: decode through HF's modules (as prefill does), not our decode body (decode_body.py; Qwen2 / Llama:
@@ -80,7 +91,7 @@ class EmbeddedEngine:
         model_or_path: nn.Module | str | os.PathLike,
         kv: KVCompressConfig | None = None,
         *,
-        max_batch_size: int | None = 64,
+        max_batch_size: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         max_prompt_len: int | None = None,
@@ -90,16 +101,15 @@ class EmbeddedEngine:
         readback_interval: int | None = None,
         fp32_lm_head: bool = False,
         kv_cache_gib: float | None = None,
+        mem_fraction: float | None = None,
+        memory_saver: bool = False,
         decode_attention: str | None = None,
         hf_decode: bool = False,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
-        if max_batch_size is None and kv_cache_gib is None:
-            raise ValueError("max_batch_size=None needs kv_cache_gib (--rollout-kv-cache-gib): rows are then what fits")
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1 (--rollout-max-batch-size)")
-        if kv_cache_gib is not None and not kv_cache_gib > 0:
-            raise ValueError(f"kv_cache_gib={kv_cache_gib} must be > 0 (--rollout-kv-cache-gib)")
+        check_memory_size(kv_cache_gib, mem_fraction)
         if max_prompt_len is not None and max_prompt_len < 1:
             raise ValueError(f"max_prompt_len={max_prompt_len} must be >= 1 or None (--rollout-max-prompt-len)")
         if on_long_prompt not in LONG_PROMPT_POLICIES:
@@ -117,12 +127,18 @@ class EmbeddedEngine:
         self.readback_interval = readback_interval
         self.model = load_model(model_or_path, self.device, dtype)
         check_model(self.model)
+        self.model_shape = ModelShape.from_hf_config(self.model.config.to_dict())
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.decode_attention = pick_decode_attention(decode_attention, self.device)
         self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
         self.fp32_lm_head = fp32_lm_head
-        self.max_batch_size = max_batch_size
+        if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
+            kv_cache_gib = mem_fraction * free_memory_bytes(self.device) / 2**30
         self.kv_cache_gib = kv_cache_gib
+        self.max_batch_size = max_batch_size if max_batch_size is not None or kv_cache_gib is not None \
+            else DEFAULT_MAX_BATCH_SIZE
+        self.memory_saver = memory_saver
+        self.runner_builds = 0  # runners built so far (each allocates a cache; with graphs, captures them anew)
         self.max_prompt_len = max_prompt_len
         self.on_long_prompt = on_long_prompt
         self.kv_trace = kv_trace
@@ -178,14 +194,18 @@ class EmbeddedEngine:
         return KVView(self, kv)
 
     def release_memory(self) -> None:
-        """Give back the KV cache, the decode state and the CUDA graphs (slime's colocated offload: the learner trains
-        in that memory); the next generate() builds them again."""
-        self._runner = None
+        """Give back the KV cache (the learner trains in it); a memory_saver engine keeps its runner and graphs."""
+        if self._runner is not None and self.memory_saver and self._runner.can_release:
+            self._runner.release()
+        else:
+            self._runner = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     def resume_memory(self) -> None:
-        """Nothing to do: generate() builds the runner when it needs one."""
+        """Take the KV cache back (generate() also does it when it must)."""
+        if self._runner is not None:
+            self._runner.resume()
 
     @property
     def captures(self) -> int:
@@ -218,7 +238,7 @@ class EmbeddedEngine:
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
-        shape = self._runner_shape(kv, longest, len(sequences))
+        shape = self._runner_shape(kv, longest, len(sequences), max(len(s.prompt) for s in sequences), params)
         if self._decode_body is not None and self._decode_body.stale():  # a conversion replaced the weights' data
             self._decode_body, self._runner = DecodeBody(self.model), None  # fuse again; the graphs read old tensors
         if self._runner is None or not self._runner.shape.holds(shape):
@@ -226,41 +246,57 @@ class EmbeddedEngine:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits, self._decode_body,
-                                       self.decode_attention)
+                                       self.decode_attention, releasable=self.memory_saver)
+            self.runner_builds += 1
         runner = self._runner
-        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows)
+        runner.resume()  # a no-op unless the memory was given back
+        stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows,
+                                                slots=runner.cache.capacity)
         captures = runner.captures
         # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
         Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
                   set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace).run(outputs)
+                  self._weight_version, stats, self.kv_trace, max_running=shape.rows).run(outputs)
         stats.captures = runner.captures - captures
 
-    def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int) -> RunnerShape:
-        """What a call of `sequences` sequences of at most `longest` tokens needs: the runner of the last call serves
-        it if it holds that much. With graphs, capacity is rounded up to the span granularity (graphs read spans of
-        that granularity anyway), so that calls of similar lengths share one runner."""
+    def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int, prompt: int | None = None,
+                      params: SamplingParams | None = None) -> RunnerShape:
+        """What a call of `sequences` sequences of at most `longest` tokens (prompts of at most `prompt`) needs: the
+        runner of the last call serves it if it holds that much. With graphs, capacity is rounded up to the span
+        granularity (graphs read spans of that granularity anyway), so that calls of similar lengths share one
+        runner."""
         mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
         capacity = row_capacity(kv, longest)
         if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):
             capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, self.model.config.max_position_embeddings)
-        return RunnerShape(kv, min(self.max_rows(kv, capacity), sequences), capacity, mode, self.readback_interval)
+        spec = self.memory_spec(kv, capacity, prompt, params, mode)
+        return RunnerShape(kv, min(self.max_rows(spec), sequences), capacity, mode, self.readback_interval)
 
-    def rows_for(self, kv: KVCompressConfig, longest: int) -> int:
+    def rows_for(self, kv: KVCompressConfig, longest: int, prompt: int | None = None,
+                 params: SamplingParams | None = None) -> int:
         """Sequences of at most `longest` tokens this engine decodes at once under `kv`: --rollout-max-batch-size, or
         what fits in --rollout-kv-cache-gib (the smaller of the two)."""
-        return self._runner_shape(kv, longest, 2**62).rows
+        return self._runner_shape(kv, longest, 2**62, prompt, params).rows
 
-    def max_rows(self, kv: KVCompressConfig, capacity: int) -> int:
-        """Rows of `capacity` slots this engine allocates at most: max_batch_size, or what fits in kv_cache_gib (the
-        smaller of the two)."""
+    def memory_spec(self, kv: KVCompressConfig, capacity: int, prompt: int | None = None,
+                    params: SamplingParams | None = None, mode: str | None = None) -> engine_memory.EngineSpec:
+        """What this engine's memory depends on for rows of `capacity` slots (kv/engine_memory.py): prompts of at most
+        `prompt` tokens (None: a full row), sampled with `params` (None: the defaults)."""
+        return engine_memory.EngineSpec(
+            self.model_shape, kv, capacity, min(prompt or capacity, capacity), self.model.dtype.itemsize,
+            engine_memory.Sampler.of(params or SamplingParams()), self.fp32_lm_head,
+            graphs=(mode or self.step_mode) == "cuda_graph", readback=self.readback_interval, device=self.device.type)
+
+    def max_rows(self, spec: engine_memory.EngineSpec) -> int:
+        """Rows this engine allocates at most: max_batch_size, or what fits in kv_cache_gib with every working set
+        (`engine_memory.engine_bytes`), the smaller of the two."""
         if self.kv_cache_gib is None:
             return self.max_batch_size
-        fit = int(self.kv_cache_gib * 2**30) // row_bytes(self.model.config, kv, capacity, self.model.dtype)
+        fit = engine_memory.max_rows(spec, int(self.kv_cache_gib * 2**30), self.max_batch_size)
         if fit < 1:
-            raise ValueError(f"kv_cache_gib={self.kv_cache_gib} holds no row of {capacity} slots under --kv-method "
-                             f"{kv.method} (--rollout-kv-cache-gib)")
-        return fit if self.max_batch_size is None else min(fit, self.max_batch_size)
+            raise ValueError(f"kv_cache_gib={self.kv_cache_gib} holds no row of {spec.capacity} slots and its working "
+                             f"sets under --kv-method {spec.kv.method} (--rollout-kv-cache-gib)")
+        return fit
 
     def _logits(self, hidden: Tensor) -> Tensor:
         """Next-token logits [n, V] float32 from the final hidden states [n, hidden]: the learners' head arithmetic

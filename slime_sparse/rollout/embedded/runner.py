@@ -3,7 +3,8 @@ the cache, the decode state, the decode step and the compressor, with their CUDA
 
 A second generate() under the same config captures nothing: the graphs are keyed by (rows, spans, sampling) and by
 (rows, slots, queries) for compactions, and live as long as the runner. The engine drops the runner when the KV config
-changes (a dense evaluation), when a call needs more rows or slots than it holds, and in `release_memory`.
+changes (a dense evaluation) or when a call needs more rows or slots than it holds. Between rollouts the runner can
+give its cache's memory back and take it again (`release` / `resume`, arena.py) without losing its graphs.
 """
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig
+from slime_sparse.kv import KVCompressConfig, engine_memory
+from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
+from .arena import new_arena
 from .cache import BudgetKVCache
 from .compressor import Compressor, PackedBits, to_host, to_device
 from .plan import build_plan
@@ -40,30 +43,29 @@ class RunnerShape:
 
 
 def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dtype) -> int:
-    """Device bytes one cache row takes (keys, values, positions, the query ring, attention mass): what KV-memory
-    admission divides a budget by."""
-    cfg = model_config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    layers, kv_heads = cfg.num_hidden_layers, cfg.num_key_value_heads
-    size = torch.empty((), dtype=dtype).element_size()
-    per_slot = kv_heads * (2 * head_dim * size + 4 + (4 if kv.traits.tracks_mass else 0))
-    ring = cfg.num_attention_heads * kv.window * head_dim * size if kv.traits.needs_queries else 0
-    return layers * (capacity * per_slot + ring)
+    """Device bytes one row holds for its whole life (keys, values, positions, the query ring, attention mass, its
+    decode state): `kv.engine_memory.row_bytes` of an HF config. Admission counts the working sets too
+    (`EmbeddedEngine.memory_spec`)."""
+    return engine_memory.row_bytes(ModelShape.from_hf_config(model_config.to_dict()), kv, capacity,
+                                   torch.empty((), dtype=dtype).element_size())
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, shape: RunnerShape, budgets: tuple[int, ...], device: torch.device,
                  logits: Callable[[Tensor], Tensor], decode_body: Callable | None = None,
-                 decode_attention: str = "sdpa") -> None:
+                 decode_attention: str = "sdpa", releasable: bool = False) -> None:
+        """releasable: the cache's memory will be given back between calls with its graphs kept (`release`): on
+        CUDA with graphs, the cache then lives at fixed virtual addresses (arena.py)."""
         cfg = model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = shape.kv
         self.shape, self.device, self.logits = shape, device, logits
+        self.arena = new_arena(device, releasable, shape.mode)
         self.cache = BudgetKVCache(
             num_rows=shape.rows, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
             num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
-            dtype=model.dtype, shared_fill=len(set(budgets)) == 1)
+            dtype=model.dtype, shared_fill=len(set(budgets)) == 1, zeros=self.arena.zeros)
         self.cache.decode_backend = decode_attention
         sampling_kernel.enable(device)  # on CUDA: the one-kernel sampler, if it builds and agrees with the torch path
         self.state = DecodeState.allocate(shape.rows, shape.readback, device)
@@ -75,6 +77,24 @@ class ModelRunner:
     @property
     def captures(self) -> int:
         return self.graphs.captures if self.graphs is not None else 0
+
+    # ---- memory between calls (--offload-rollout) ----
+    @property
+    def can_release(self) -> bool:
+        """Whether `release` keeps the runner usable: its graphs (if any) survive the cache's memory going back."""
+        return self.graphs is None or self.arena.keeps_addresses
+
+    @property
+    def released(self) -> bool:
+        return self.arena.released
+
+    def release(self) -> None:
+        """Give the cache's memory back; everything else (decode state, graphs and their pool) stays."""
+        self.arena.release()
+
+    def resume(self) -> None:
+        """Take the cache's memory again (zeroed); the next call replays the graphs it captured before."""
+        self.arena.resume()
 
     # ---- prefill (eager: its shapes vary) ----
     def prefill(self, row_start: int, chunks: list[list[int]], first_positions: list[int],

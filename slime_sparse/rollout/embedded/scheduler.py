@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from slime_sparse.kv import KVCompressConfig, should_compress
+from slime_sparse.kv.engine_memory import FIRST_TOKEN_ROWS, PREFILL_TOKENS
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.faults import fault_point
@@ -57,6 +58,7 @@ class Scheduler:
     weight_version: int
     stats: GenerateStats
     trace: Callable[[KVTraceRecord], None] | None = None
+    max_running: int | None = None  # sequences decoded at once (None: every cache row; fewer when the call admits fewer)
     running: list[Sequence] = field(default_factory=list)  # running[r] lives in cache row r
     pending: deque[_Readback] = field(default_factory=deque)
 
@@ -70,6 +72,7 @@ class Scheduler:
         rows = self.runner.cache.num_rows
         for row in range(rows):
             self._park(row)
+        rows = min(rows, self.max_running or rows)
         while self.waiting or self.running:
             admitted: list[Sequence] = []
             while self.waiting and len(self.running) + len(admitted) < rows:
@@ -108,6 +111,16 @@ class Scheduler:
         prefill = sum(len(s.prompt) for s in leaders)
         self.stats.prefill_tokens += prefill
         self.stats.prefill_tokens_saved += sum(len(s.prompt) for s in admitted) - prefill
+        # at most PREFILL_TOKENS prompt tokens per forward (whole rows, each chunk padded to the widest): a bounded,
+        # counted working set (kv/engine_memory.py) however many rows are admitted at once
+        per_forward = max(1, PREFILL_TOKENS // max(min(len(s.prompt), self.capacity) for s in leaders))
+        for start in range(0, len(leaders), per_forward):
+            self._prefill(leaders[start : start + per_forward], first + start, rows_of)
+
+    def _prefill(self, leaders: list[Sequence], first: int, rows_of: dict[int, list[int]]) -> None:
+        """Prefill the prompts of `leaders` in rows [first, first + len(leaders)) (in chunks when the cache bound
+        demands it, with compressions in between), then start their groups decoding."""
+        table = self.table
         lead_rows = list(range(first, first + len(leaders)))
         while any(s.processed < len(s.prompt) for s in leaders):
             room = [self.capacity - int(table.fill[:, r].max()) for r in lead_rows]
@@ -148,9 +161,13 @@ class Scheduler:
             leader = self.running[lead_row]
             member.processed, member.prefill_peak = leader.processed, leader.prefill_peak
             member.evictions = list(leader.evictions)
-        index = torch.tensor([b for *_, b in members], device=logits.device)
-        tokens, logprobs = self.runner.sample_first([row for _, row, _, _ in members], logits[index], self.params,
-                                                    [len(m.prompt) for m, *_ in members], [m.key for m, *_ in members])
+        tokens, logprobs = [], []
+        for start in range(0, len(members), FIRST_TOKEN_ROWS):  # a bounded sampler working set (engine_memory.py)
+            part = members[start : start + FIRST_TOKEN_ROWS]
+            index = torch.tensor([b for *_, b in part], device=logits.device)
+            drawn = self.runner.sample_first([row for _, row, _, _ in part], logits[index], self.params,
+                                             [len(m.prompt) for m, *_ in part], [m.key for m, *_ in part])
+            tokens, logprobs = tokens + drawn[0], logprobs + drawn[1]
         for (member, row, lead_row, _), token, logprob in zip(members, tokens, logprobs):
             self._append(member, token, logprob)
             table.issued[row] = 1

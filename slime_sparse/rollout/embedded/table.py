@@ -18,6 +18,7 @@ class GenerateStats:
     compaction_calls: int = 0  # batched compaction calls (each compresses one or more rows)
     kv_cache_bytes: int = 0  # keys + values allocated (the cache never grows: its peak)
     rows: int = 0  # cache rows: sequences decoded at once at most
+    slots: int = 0  # slots per cache row
     captures: int = 0  # CUDA graphs captured during the call (0 once a runner is warm)
 
 
