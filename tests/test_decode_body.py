@@ -129,19 +129,39 @@ def test_update_weights_reaches_the_fused_weights(tied):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
-def test_a_replaced_weight_is_fused_again():
+def test_a_replaced_weight_is_put_back_where_the_body_reads_it():
+    """Data replaced at the same dtype (load_state_dict(assign=True)): copied back into the fused tensors, the body and
+    the runner (its graphs) kept; a dtype conversion: a new body and a new runner (a cache of the new dtype)."""
     model = perturbed(qwen2())
     engine = EmbeddedEngine(model)
     first = engine.generate(PROMPTS, SAMPLE, seed=4)
     body = engine._decode_body
     with torch.no_grad():
-        for p in model.parameters():  # what a dtype / device conversion does: new data, same parameters
+        for p in model.parameters():  # new data, same parameters
             p.data = p.data.clone() * 1.25
     assert body.stale()
     fresh = EmbeddedEngine(copy.deepcopy(model), hf_decode=True).generate(PROMPTS, SAMPLE, seed=4)
     again = engine.generate(PROMPTS, SAMPLE, seed=4)
-    assert engine._decode_body is not body and not engine._decode_body.stale()
+    assert engine._decode_body is body and not body.stale() and engine.runner_builds == 1
     assert [o.response_ids for o in again] == [o.response_ids for o in fresh] != [o.response_ids for o in first]
+    model.double()
+    fresh = EmbeddedEngine(copy.deepcopy(model), hf_decode=True).generate(PROMPTS, SAMPLE, seed=4)
+    again = engine.generate(PROMPTS, SAMPLE, seed=4)
+    assert engine._decode_body is not body and engine.runner_builds == 2
+    assert engine._runner.cache.key.dtype == torch.float64
+    assert [o.response_ids for o in again] == [o.response_ids for o in fresh]
+
+
+def test_engines_sharing_a_model_share_its_fused_weights():
+    """A second engine over the same model uses the first one's fused tensors: neither body goes stale, so neither
+    engine builds a second runner (a rollout engine beside a dense evaluation one, --offload-rollout's wrapper)."""
+    model = perturbed(qwen2())
+    a, b = EmbeddedEngine(model), EmbeddedEngine(model)
+    assert a._decode_body.layers[0].qkv.data_ptr() == b._decode_body.layers[0].qkv.data_ptr()
+    for _ in range(2):
+        assert [o.response_ids for o in a.generate(PROMPTS, SAMPLE, seed=4)] == \
+            [o.response_ids for o in b.generate(PROMPTS, SAMPLE, seed=4)]
+    assert not a._decode_body.stale() and not b._decode_body.stale() and a.runner_builds == b.runner_builds == 1
 
 
 def test_unknown_architectures_decode_through_hf_with_a_reason():
@@ -217,11 +237,12 @@ def test_compiled_step_samples_the_eager_steps_tokens(params):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5, rtol=0)
 
 
-def test_cuda_graph_modes_need_cuda():
+def test_cuda_graph_modes_need_cuda(monkeypatch):
     with pytest.raises(ValueError, match="cuda_graph needs a CUDA device"):
         EmbeddedEngine(qwen2(), step_mode="cuda_graph_compile")
     with pytest.raises(ValueError, match="decode_attention='flash'"):
         EmbeddedEngine(qwen2(), decode_attention="flash")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available():  # conftest runs the tests under Triton's interpreter: an engine outside them not
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(ValueError, match="needs Triton and a CUDA device"):
             EmbeddedEngine(qwen2(), decode_attention="triton")

@@ -112,11 +112,12 @@ _GOLDEN, _MIX1, _MIX2, _VOCAB_STEP = (_signed(c) for c in (0x9E3779B97F4A7C15, 0
 
 
 def _mix(z: Tensor) -> Tensor:
-    """Two xorshift-multiply rounds of splitmix64's finaliser, in int64 that wraps like uint64. The shifts are torch's
-    arithmetic ones (one op each instead of two for a logical shift): the sign bit is lost once per round, a map from
-    64 bits to 63, and the multiply spreads what is left over the high bits that are read out."""
-    z = (z ^ (z >> 30)) * _MIX1
-    return (z ^ (z >> 27)) * _MIX2
+    """Two xorshift-multiply rounds of splitmix64's finaliser, in int64 that wraps like uint64, in place on `z` (a
+    fresh tensor: at [rows, vocab] one int64 temporary beside it, not three). The shifts are torch's arithmetic ones
+    (one op each instead of two for a logical shift): the sign bit is lost once per round, a map from 64 bits to 63,
+    and the multiply spreads what is left over the high bits that are read out."""
+    z.bitwise_xor_(z >> 30).mul_(_MIX1)
+    return z.bitwise_xor_(z >> 27).mul_(_MIX2)
 
 
 def counter_stream(keys: Tensor, counters: Tensor) -> Tensor:
@@ -139,10 +140,11 @@ def gumbel_noise(streams: Tensor, vocab: int) -> Tensor:
     Gumbel sampler use the same inverse; `gumbel_reference` is the oracle). An elementwise chain that torch.compile
     fuses into the argmax.
     """
-    ids = torch.arange(1, vocab + 1, device=streams.device, dtype=torch.int64) * _VOCAB_STEP
-    bits = (_mix(streams[:, None] + ids) >> 32) & 0xFFFFFFFF
-    minus_w = bits.to(torch.float32).mul(-1.0 / (1 << 32)).sub(1.0 / (1 << 33))
-    return -torch.log(-torch.log1p(minus_w))
+    ids = torch.arange(1, vocab + 1, device=streams.device, dtype=torch.int64).mul_(_VOCAB_STEP)
+    bits = _mix(streams[:, None] + ids).bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF)
+    minus_w = bits.to(torch.float32).mul_(-1.0 / (1 << 32)).sub_(1.0 / (1 << 33))
+    del bits  # in place from here on: the noise costs 4 bytes per logit once the bits are floats
+    return torch.log1p(minus_w).neg_().log_().neg_()
 
 
 @torch.library.custom_op("slime_sparse::gumbel_noise", mutates_args=())
@@ -183,6 +185,11 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T in float32, tempered_log_softmax's arithmetic; at T = 1 the logits themselves (x / 1 is x)."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
+
+
 def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = None,
                   counters: Tensor | None = None, kernel=None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of `logits` [n, V]; return (tokens [n] long, their recorded log-probs [n] float32).
@@ -204,12 +211,13 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
         streams = counter_stream(keys, counters)
         truncates = params.top_k > 0 or params.top_p < 1.0
         if kernel is not None or sampling_kernel.enabled(logits):
-            truncated = truncate(logits.float() / params.temperature, params) if truncates else None
+            truncated = truncate(_tempered(logits, params.temperature), params) if truncates else None
             if kernel is not None:
                 return kernel(logits, truncated, streams, params.temperature)
             return sampling_kernel.gumbel_sample(logits, truncated, streams, params.temperature)
-        tempered = logits.float() / params.temperature  # tempered_log_softmax's arithmetic, done once
+        tempered = _tempered(logits, params.temperature)  # done once
+        del logits  # not read again: a caller that hands them over frees them here
         logp = torch.log_softmax(tempered, dim=-1)
-        noise = (gumbel_noise_op if torch.compiler.is_compiling() else gumbel_noise)(streams, logits.shape[-1])
+        noise = (gumbel_noise_op if torch.compiler.is_compiling() else gumbel_noise)(streams, tempered.shape[-1])
         tokens = torch.argmax((truncate(tempered, params) if truncates else tempered) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

@@ -8,10 +8,13 @@ GEMM. In float32 every step is HF's arithmetic; in a reduced dtype the norm roun
 to the model dtype, then the weight), and RoPE multiplies and adds in the model dtype as HF does (on CPU, bf16 decoding
 through this body samples HF's tokens with HF's log-probs bit for bit: tests/test_decode_body.py).
 
-Fused weights: `fuse_projections` concatenates q/k/v (and gate/up) once and makes each HF parameter's data a view
-into the fused tensor. State-dict names, shapes and parameter objects are unchanged, so the weight-sync protocol and
-every in-place write (update_weights, load_state_dict, an optimiser step) land in the fused tensor; a conversion that
-replaces a parameter's data (`model.to(dtype)`) is noticed by `stale()` and the engine fuses again.
+Fused weights: `_fuse` concatenates q/k/v (and gate/up) once and makes each HF parameter's data a view into the
+fused tensor (parameters that already are such views, fused by another engine over the same model, are used as they
+are). State-dict names, shapes and parameter objects are unchanged, so the weight-sync protocol and every in-place
+write (update_weights, load_state_dict, an optimiser step) land in the fused tensor. The body keeps every parameter
+where it and the captured graphs read it: a parameter whose data is replaced (load_state_dict(assign=True)) is put
+back there with its new values (`restore`), so the runner and its graphs stay; only a dtype or device conversion
+(`model.to`) makes the engine build a new body (and a cache of the new dtype).
 """
 from __future__ import annotations
 
@@ -65,6 +68,20 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def _fused_already(parts: list[Tensor]) -> Tensor | None:
+    """The tensor whose row blocks `parts` are, when they lie one after the other in one storage (fused before);
+    else None."""
+    first, rest = parts[0], parts[0].shape[1:]
+    offset = first.storage_offset()
+    for p in parts:
+        if not p.is_contiguous() or p.shape[1:] != rest or p.dtype != first.dtype or p.storage_offset() != offset \
+                or p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        offset += p.numel()
+    shape = (sum(p.shape[0] for p in parts), *rest)
+    return first.detach().as_strided(shape, torch.empty(shape, device="meta").stride(), first.storage_offset())
+
+
 def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     """One weight (and bias) whose row blocks hold the linears' parameters; each parameter's data becomes its view."""
     out = []
@@ -73,13 +90,20 @@ def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
         if parts[0] is None:
             out.append(None)
             continue
-        fused = torch.cat([p.detach() for p in parts])
-        start = 0
-        for p in parts:
-            p.data = fused[start : start + p.shape[0]]
-            start += p.shape[0]
+        fused = _fused_already(parts)
+        if fused is None:
+            fused = torch.cat([p.detach() for p in parts])
+            start = 0
+            for p in parts:
+                p.data = fused[start : start + p.shape[0]]
+                start += p.shape[0]
         out.append(fused)
     return out[0], out[1]
+
+
+def _in_place(param: Tensor, data: Tensor) -> bool:
+    return param.data_ptr() == data.data_ptr() and param.shape == data.shape and param.stride() == data.stride() \
+        and param.dtype == data.dtype and param.device == data.device
 
 
 @dataclass
@@ -95,24 +119,6 @@ class LayerWeights:
     gate_up_bias: Tensor | None
     down_proj: nn.Linear
     act: Callable[[Tensor], Tensor]
-    fused_from: tuple[nn.Linear, ...]  # q, k, v, gate, up: whose data must stay views into qkv / gate_up
-
-    def aliased(self) -> bool:
-        """Every fused parameter still a view into its fused tensor, at its place."""
-        for fused, bias, linears in ((self.qkv, self.qkv_bias, self.fused_from[:3]),
-                                     (self.gate_up, self.gate_up_bias, self.fused_from[3:])):
-            for tensor, name in ((fused, "weight"), (bias, "bias")):
-                if tensor is None:
-                    continue
-                offset = 0
-                for lin in linears:
-                    p = getattr(lin, name)
-                    same = p.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr() \
-                        and p.storage_offset() == tensor.storage_offset() + offset and p.dtype == tensor.dtype
-                    if not same:
-                        return False
-                    offset += p.numel()
-        return True
 
 
 class DecodeBody:
@@ -136,10 +142,10 @@ class DecodeBody:
             gate_up, gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
             self.layers.append(LayerWeights(layer.input_layernorm, qkv, qkv_bias, attn.o_proj,
                                             layer.post_attention_layernorm, gate_up, gate_up_bias, mlp.down_proj,
-                                            mlp.act_fn, (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj,
-                                                         mlp.up_proj)))
+                                            mlp.act_fn))
         self.rope = self._rope_table(body.rotary_emb, cfg.max_position_embeddings)
-        self._dtype, self._device = self.embed.weight.dtype, self.embed.weight.device
+        # where every parameter's data lives now: what this body (and a graph captured over it) reads
+        self._pinned = [(p, p.data) for p in model.parameters()]
 
     def _rope_table(self, rotary: nn.Module, positions: int) -> Tensor:
         """[P, 2, d]: cos and sin of every position as HF's rotary embedding computes them (its own forward, in the
@@ -154,27 +160,47 @@ class DecodeBody:
         return torch.stack([cos[0], sin], dim=1).contiguous()
 
     def stale(self) -> bool:
-        """True when a parameter's data was replaced (a dtype or device conversion, load_state_dict(assign=True)):
-        fuse again (and recapture every graph: they read the old tensors)."""
-        w = self.embed.weight
-        return (w.dtype, w.device) != (self._dtype, self._device) or not all(layer.aliased() for layer in self.layers)
+        """True when a parameter's data was replaced since this body was built (`restore` puts it back)."""
+        return not all(_in_place(p, data) for p, data in self._pinned)
+
+    def restore(self) -> bool:
+        """Put every parameter whose data was replaced back where this body and the graphs captured over it read it,
+        with its new values; False (nothing changed) when one changed its dtype, device or shape: build a new body."""
+        moved = [(p, data) for p, data in self._pinned if not _in_place(p, data)]
+        if any((p.dtype, p.device, p.shape) != (data.dtype, data.device, data.shape) for p, data in moved):
+            return False
+        with torch.no_grad():
+            for p, data in moved:
+                data.copy_(p.data)
+                p.data = data
+        return True
 
     def __call__(self, tokens: Tensor, positions: Tensor, cache: BudgetKVCache) -> Tensor:
-        n, d, hq, hkv = tokens.shape[0], self.head_dim, self.n_q_heads, self.n_kv_heads
         table = self.rope[positions]  # [n, 2, d]: one gather for the step
         cos, sin = table[:, None, 0], table[:, None, 1]
         h = F.embedding(tokens, self.embed.weight)
-        for i, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.norm1.weight, lw.norm1.variance_epsilon)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(n, hq + 2 * hkv, d)
-            qk = qkv[:, : hq + hkv]
-            qk = qk * cos + torch.roll(qk, d // 2, dims=-1) * sin
-            attn = decode_layer(cache, i, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], self.scale)
-            h = h + lw.o_proj(attn.reshape(n, hq * d))
-            x = rms_norm(h, lw.norm2.weight, lw.norm2.variance_epsilon)
-            gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-            h = h + lw.down_proj(lw.act(gate) * up)
+        for i, lw in enumerate(self.layers):  # each half's temporaries die with its call (kv/engine_memory.py counts them)
+            h = h + self._attention(i, lw, rms_norm(h, lw.norm1.weight, lw.norm1.variance_epsilon), cos, sin, cache)
+            h = h + self._mlp(lw, rms_norm(h, lw.norm2.weight, lw.norm2.variance_epsilon))
         return rms_norm(h, self.norm.weight, self.norm.variance_epsilon)
+
+    def _attention(self, i: int, lw: LayerWeights, x: Tensor, cos: Tensor, sin: Tensor, cache: BudgetKVCache) -> Tensor:
+        n, d, hq, hkv = x.shape[0], self.head_dim, self.n_q_heads, self.n_kv_heads
+        qkv = F.linear(x, lw.qkv, lw.qkv_bias).view(n, hq + 2 * hkv, d)
+        del x
+        qk = qkv[:, : hq + hkv]
+        qk = (qk * cos).add_(torch.roll(qk, d // 2, dims=-1).mul_(sin))  # HF's rounding: q * cos + rot(q) * sin
+        attn = decode_layer(cache, i, qk[:, :hq], qk[:, hq:], qkv[:, hq + hkv :], self.scale)
+        del qk, qkv
+        return lw.o_proj(attn.reshape(n, hq * d))
+
+    @staticmethod
+    def _mlp(lw: LayerWeights, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        del x
+        act = lw.act(gate).mul_(up)
+        del gate, up
+        return lw.down_proj(act)
 
 
 def build(model: nn.Module) -> tuple[DecodeBody | None, str | None]:

@@ -32,9 +32,10 @@ from torch import Tensor, nn
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
 from slime_sparse.kv import engine_memory
 from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
-from slime_sparse.types import GenerationOutput, KVStats
+from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
@@ -43,13 +44,14 @@ from .attention import budget_attention_installed, pick_decode_attention
 from .contract import check_model, eos_ids
 from .decode_body import DecodeBody
 from .decode_body import build as build_body
+from .prompts import LONG_PROMPT_POLICIES, check_prompts
 from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
+from .weights import copy_weights
 
-LONG_PROMPT_POLICIES = ("error", "skip")
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
@@ -131,6 +133,7 @@ class EmbeddedEngine:
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.decode_attention = pick_decode_attention(decode_attention, self.device)
         self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
+        self.fused_sampler = sampling_kernel.enable(self.device)  # CUDA: the one-kernel sampler, if it checks out
         self.fp32_lm_head = fp32_lm_head
         if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
             kv_cache_gib = mem_fraction * free_memory_bytes(self.device) / 2**30
@@ -165,24 +168,9 @@ class EmbeddedEngine:
         """Copy new weights into the model's tensors in place (no rebuild) and bump weight_version.
 
         Every parameter/buffer of the model must be provided, except aliases of a provided tensor (a tied
-        LM head). Tensors are cast to the model's dtype and device.
+        LM head). Tensors are cast to the model's dtype and device (weights.py).
         """
-        own = self.model.state_dict()
-        unexpected = sorted(k for k in state_dict if k not in own)
-        if unexpected:
-            raise ValueError(f"update_weights: unknown weight names {unexpected[:5]} (model has {len(own)} tensors)")
-        provided_storage = {own[k].data_ptr() for k in state_dict}
-        missing = sorted(k for k, t in own.items() if k not in state_dict and t.data_ptr() not in provided_storage)
-        if missing:
-            raise ValueError(f"update_weights: missing weights {missing[:5]} ({len(missing)} in all)")
-        for name, src in state_dict.items():
-            if tuple(src.shape) != tuple(own[name].shape):
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(src.shape)}, the model's is {tuple(own[name].shape)}"
-                )
-        with torch.no_grad():
-            for name, src in state_dict.items():
-                own[name].copy_(src)  # state_dict() tensors share storage with the model's parameters
+        copy_weights(self.model, state_dict)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     def sync_from(self, learner: WeightSource) -> None:
@@ -222,7 +210,10 @@ class EmbeddedEngine:
         `kv`: generate under this KV config instead of the engine's own (a validated one: see `with_kv`)."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
-        accepted = self._check_prompts(prompts, outputs)
+        accepted = check_prompts(prompts, outputs, vocab=self.model.config.vocab_size,
+                                 context=self.model.config.max_position_embeddings, max_prompt_len=self.max_prompt_len,
+                                 on_long_prompt=self.on_long_prompt, weight_version=self._weight_version)
+        self.num_skipped_prompts += sum(out is not None for out in outputs)
         if accepted:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,)).item())  # follows torch.manual_seed
@@ -239,8 +230,8 @@ class EmbeddedEngine:
         n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
         shape = self._runner_shape(kv, longest, len(sequences), max(len(s.prompt) for s in sequences), params)
-        if self._decode_body is not None and self._decode_body.stale():  # a conversion replaced the weights' data
-            self._decode_body, self._runner = DecodeBody(self.model), None  # fuse again; the graphs read old tensors
+        if self._decode_body is not None and not self._decode_body.restore():  # a dtype / device conversion:
+            self._decode_body, self._runner = DecodeBody(self.model), None  # fuse anew, and a cache of that dtype
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
@@ -284,8 +275,9 @@ class EmbeddedEngine:
         `prompt` tokens (None: a full row), sampled with `params` (None: the defaults)."""
         return engine_memory.EngineSpec(
             self.model_shape, kv, capacity, min(prompt or capacity, capacity), self.model.dtype.itemsize,
-            engine_memory.Sampler.of(params or SamplingParams()), self.fp32_lm_head,
-            graphs=(mode or self.step_mode) == "cuda_graph", readback=self.readback_interval, device=self.device.type)
+            engine_memory.Sampler.of(params or SamplingParams(), self.fused_sampler), self.fp32_lm_head,
+            graphs=(mode or self.step_mode).startswith("cuda_graph"), readback=self.readback_interval,
+            device=self.device.type, decode_body=self._decode_body is not None, decode_attention=self.decode_attention)
 
     def max_rows(self, spec: engine_memory.EngineSpec) -> int:
         """Rows this engine allocates at most: max_batch_size, or what fits in kv_cache_gib with every working set
@@ -302,32 +294,3 @@ class EmbeddedEngine:
         """Next-token logits [n, V] float32 from the final hidden states [n, hidden]: the learners' head arithmetic
         (`utils.lm_head`, fp32 with --enable-fp32-lm-head); no host sync, so it runs inside the captured step."""
         return lm_head_logits(hidden, self.head_weight, fp32=self.fp32_lm_head)
-
-    def _check_prompts(self, prompts: list[list[int]], outputs: list[GenerationOutput | None]) -> list[int]:
-        """Indices of the prompts to generate for; skipped ones get their output here."""
-        vocab = self.model.config.vocab_size
-        context = self.model.config.max_position_embeddings
-        accepted, too_long = [], []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                bad = [int(t) for t in prompt if not 0 <= t < vocab]
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-            limit = min(context - 1, self.max_prompt_len or context)  # leave room for one response token
-            if len(prompt) > limit:
-                too_long.append(i)
-                if self.on_long_prompt == "error":
-                    raise ValueError(
-                        f"prompt {i} has {len(prompt)} tokens, over the limit of {limit} "
-                        f"(max_prompt_len={self.max_prompt_len}, model context max_position_embeddings={context} "
-                        f"minus one response token); construct the engine with on_long_prompt='skip' to skip it"
-                    )
-                outputs[i] = GenerationOutput(
-                    prompt_ids=list(prompt), response_ids=[], logprobs=[], finish_reason="skipped",
-                    kv=KVStats(), weight_version=self._weight_version,
-                )
-            else:
-                accepted.append(i)
-        self.num_skipped_prompts += len(too_long)
-        return accepted
