@@ -80,3 +80,11 @@ def test_a_decode_forward_allocates_what_is_counted(name, dtype, method):
         counted = decode_body_bytes(shape, kv, rows, capacity, dtype.itemsize) if body is not None \
             else body_bytes(shape, kv, rows, 1, capacity, dtype.itemsize)
         assert counted == pytest.approx(t.peak, rel=0.02), ("ours" if body is not None else "hf", counted, t.peak)
+
+
+def test_admission_splits_the_span_as_the_triton_decode_attention_does():
+    """The Triton kernel's partial outputs are counted per split (`decode_attention_bytes`): the same split count."""
+    from slime_sparse.kv.engine_memory import decode_splits
+    from slime_sparse.rollout.embedded import triton_attention
+
+    assert all(triton_attention.num_splits(span) == decode_splits(span) for span in range(1, 6000, 7))
