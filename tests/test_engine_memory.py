@@ -6,6 +6,8 @@ exist), on CPU for a real generate(). On CUDA the same checks read torch's alloc
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -207,7 +209,8 @@ def test_admission_fits_the_counted_rows_and_draws_the_same_tokens():
 
 def test_the_planner_counts_the_engine_as_its_admission_does():
     """plan_step's rollout phase is `engine_bytes` of the spec the engine itself would build on a GPU (graphs,
-    readback 8): one function, called from both sides."""
+    readback 8, the one-kernel sampler and the Triton decode attention, which a CPU engine does not have): one
+    function, called from both sides."""
     model = Qwen2ForCausalLM(Qwen2Config(**MODELS["vocab"])).eval()
     shape = ModelShape.from_hf_config(model.config.to_dict())
     for kv in (KVCompressConfig(), kv_config("rkv", 12, 4, 3), kv_config("h2o", 12, 4, 3)):
@@ -215,6 +218,7 @@ def test_the_planner_counts_the_engine_as_its_admission_does():
         step = StepSpec(seqs=64, prompt_len=8, response_len=32, engine_rows=48, kv_slots=capacity, dtype_bytes=4, kv=kv)
         engine = EmbeddedEngine(model, kv, readback_interval=8)
         spec = engine.memory_spec(kv, capacity, 8, SamplingParams(), mode="cuda_graph")
+        spec = replace(spec, sampler=replace(spec.sampler, fused=True), decode_attention="triton", device="cuda")
         rollout = plan_step(shape, step)["rollout"]
         assert {k: rollout[k] for k in engine_bytes(spec, 48)} == engine_bytes(spec, 48)
         budget = sum(engine_bytes(spec, 48).values())

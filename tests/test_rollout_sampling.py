@@ -8,10 +8,11 @@ from slime_sparse.rollout.sampling import (
     SamplingParams,
     apply_top_k,
     apply_top_p,
-    counter_uniform,
-    counter_uniform_reference,
+    counter_stream,
+    counter_stream_reference,
     derive_seed,
-    inverse_cdf_sample,
+    gumbel_noise,
+    gumbel_reference,
     sample_tokens,
     sampler_logprobs,
 )
@@ -89,19 +90,31 @@ def test_draws_depend_only_on_key_and_counter():
         sample_tokens(logits, params)
 
 
-def test_counter_uniform_equals_its_integer_reference_and_is_uniform():
+def test_counter_stream_and_noise_equal_their_integer_references():
     keys = [derive_seed(s, i) for s in range(3) for i in range(4)] + [0, 1, 2**63 - 1]
     counters = [0, 1, 2, 3, 7, 100, 2**20, 2**40, 5, 6, 8, 9, 0, 0, 12345]
-    got = counter_uniform(*keys_and_counters(keys, counters)).tolist()
-    assert got == [counter_uniform_reference(k, c) for k, c in zip(keys, counters)]  # int64 wraps like uint64
-    u = counter_uniform(torch.full((20000,), derive_seed(0, 0)), torch.arange(20000))
-    assert u.dtype == torch.float64 and 0.0 <= float(u.min()) and float(u.max()) < 1.0
-    assert abs(float(u.mean()) - 0.5) < 0.01 and len(set(u.tolist())) == 20000
-    # neighbouring counters and neighbouring keys are not correlated
-    v = counter_uniform(torch.full((20000,), derive_seed(0, 0)), torch.arange(1, 20001))
-    w = counter_uniform(torch.full((20000,), derive_seed(0, 1)), torch.arange(20000))
-    for other in (v, w):
-        assert abs(float(torch.corrcoef(torch.stack([u, other]))[0, 1])) < 0.03
+    streams = counter_stream(*keys_and_counters(keys, counters))
+    # int64 wraps like uint64: the same bits as the unsigned reference
+    assert [s % 2**64 for s in streams.tolist()] == [counter_stream_reference(k, c) for k, c in zip(keys, counters)]
+    noise = gumbel_noise(streams, 300)
+    assert noise.dtype == torch.float32 and noise.shape == (15, 300)
+    ref = torch.tensor([[gumbel_reference(s % 2**64, v) for v in range(300)] for s in streams.tolist()], dtype=torch.float64)
+    assert torch.allclose(noise.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gumbel_noise_is_standard_gumbel_and_uncorrelated():
+    streams = counter_stream(torch.full((40,), derive_seed(0, 0)), torch.arange(40))
+    g = gumbel_noise(streams, 5000).double()  # 200k draws
+    assert torch.isfinite(g).all()
+    euler = 0.5772156649
+    assert abs(float(g.mean()) - euler) < 0.01 and abs(float(g.var()) - math.pi ** 2 / 6) < 0.03
+    # its CDF exp(-exp(-x)) at a few points
+    for x in (-1.0, 0.0, 1.0, 3.0):
+        assert abs(float((g <= x).double().mean()) - math.exp(-math.exp(-x))) < 0.005
+    # neighbouring vocabulary ids, neighbouring counters and neighbouring keys are not correlated
+    other_key = gumbel_noise(counter_stream(torch.full((40,), derive_seed(0, 1)), torch.arange(40)), 5000).double()
+    for a, b in ((g[:, :-1], g[:, 1:]), (g[:-1], g[1:]), (g, other_key)):
+        assert abs(float(torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1])) < 0.01
 
 
 def test_derive_seed_is_deterministic_and_spread():
@@ -127,12 +140,3 @@ def test_validate_names_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         SamplingParams(**kwargs).validate()
     SamplingParams().validate()
-
-
-def test_inverse_cdf_sample_by_hand():
-    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3], [0.0, 0.0, 1.0, 0.0]])
-    # cdf row 0: 0.2, 0.2, 0.7, 1.0 -> u*1 in [0, .2) -> 0, [.2, .7) -> 2 (never the zero-mass token 1), [.7, 1) -> 3
-    for u, expected in [(0.0, 0), (0.1999, 0), (0.2001, 2), (0.6999, 2), (0.7001, 3), (0.9999, 3)]:
-        assert inverse_cdf_sample(probs, torch.tensor([u, u])).tolist() == [expected, 2]
-    # unnormalised rows are scaled by their total
-    assert inverse_cdf_sample(probs * 4, torch.tensor([0.5, 0.0])).tolist() == [2, 2]

@@ -9,7 +9,7 @@ from slime_sparse.rollout.embedded.contract import ARCHITECTURES, check
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_every_assumption_holds(architecture):
     findings = check(architecture)
-    assert len(findings) == 7
+    assert len(findings) == 8
     broken = [f"{f.assumption} [{f.detail}]" for f in findings if not f.ok]
     assert not broken, broken
 

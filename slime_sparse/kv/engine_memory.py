@@ -148,19 +148,35 @@ class Sampler:
     greedy: bool = False
     top_k: bool = False
     top_p: bool = False
+    scaled: bool = False  # T not 1: a tempered copy of the logits (x / 1 is x: none at T = 1)
+    fused: bool = False  # the one-kernel Gumbel sampler (rollout.sampling_kernel, CUDA): no noise tensors
 
     @classmethod
-    def of(cls, params) -> "Sampler":
+    def of(cls, params, fused: bool = False) -> "Sampler":
         greedy = params.temperature == 0.0
-        return cls(greedy, not greedy and 0 < params.top_k, not greedy and params.top_p < 1.0)
+        return cls(greedy, not greedy and 0 < params.top_k, not greedy and params.top_p < 1.0,
+                   not greedy and params.temperature != 1.0, fused)
 
-    def bytes_per_logit(self) -> int:
-        """Peak bytes `sampling.sample_tokens` allocates per logit beside its fp32 input: the recorded log-softmax
-        (and its tempered input), the truncated distribution's probabilities, their fp64 copy and cumsum; top-p adds a
-        sort (values and int64 indices), a cumsum and masks."""
+    def bytes_per_logit(self, *, owns_logits: bool) -> int:
+        """Peak bytes per logit of `sampling.sample_tokens` over fp32 logits [n, V]: beside them while the caller holds
+        them (a prefill's first tokens), or with them when the caller hands them over (the decode step: the torch path
+        drops them once it has its tempered copy; the kernel reads them to the end).
+        Greedy: the log-softmax. The torch path: the log-softmax and the noise's int64 state with one shifted copy
+        (`gumbel_noise`, in place), or under top-p the noise (fp32) beside `apply_top_p`'s sort (values, int64
+        indices), probabilities, cumulative mass, drop masks and output (top-k's output first: 4 more). The kernel:
+        only truncation's temporaries (top-k alone: a mask and the output)."""
         if self.greedy:
-            return 4
-        return 24 + (10 + (4 if self.top_k else 0) if self.top_p else 0)
+            return 4 + (4 if owns_logits else 0)
+        copy = 4 if self.scaled else 0
+        if self.fused:
+            truncation = 26 + (4 if self.top_k else 0) if self.top_p else (5 if self.top_k else 0)
+            return (4 if owns_logits else 0) + (copy + truncation if truncation else 0)
+        peak = max(20, 34 + (4 if self.top_k else 0) if self.top_p else 13)
+        return 4 + peak if owns_logits else copy + peak
+
+    def bytes_per_vocab_id(self) -> int:
+        """Bytes per vocabulary entry that do not scale with the rows: the torch path's int64 vocabulary ids."""
+        return 0 if self.greedy or self.fused else INDEX
 
 
 def row_bytes(shape: ModelShape, kv: KVCompressConfig, capacity: int, dtype_bytes: int, readback: int = 1) -> int:
@@ -174,37 +190,90 @@ def row_bytes(shape: ModelShape, kv: KVCompressConfig, capacity: int, dtype_byte
     return shape.num_layers * per_layer + 3 * INDEX + state  # + seen, the row's index, the compactor's row slot
 
 
-def body_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int, dtype_bytes: int) -> int:
-    """Peak bytes of the model body's forward (Qwen2 / Llama decoder layers of transformers) over `rows` rows of
-    `width` tokens reading `span` slots: per token RoPE's cos and sin (and their fp32 sources), the step's plan and the
-    residual stream, beside a layer's peak: the MLP's activation, up projection and product beside the normed input,
-    the RMSNorm's fp32 temporaries, or the attention (`attention_bytes`)."""
+# Split-KV decode attention (rollout/embedded/triton_attention.py): a split per about this many slots, at most this
+# many; each writes an fp32 partial output and log-sum-exp per (row, query head) that admission counts.
+DECODE_SPLIT_SLOTS = 256
+DECODE_MAX_SPLITS = 16
+DECODE_ATTENTION = ("sdpa", "triton")
+
+
+def decode_splits(span: int) -> int:
+    """Splits of a span in the Triton decode attention (its `num_splits`)."""
+    return max(1, min(DECODE_MAX_SPLITS, -(-span // DECODE_SPLIT_SLOTS)))
+
+
+def decode_attention_bytes(shape: ModelShape, kv: KVCompressConfig, span: int, dtype_bytes: int,
+                           backend: str) -> int:
+    """Bytes per row one layer's attention of a decode step allocates, its output included (attention.py): SDPA's
+    output; the Triton kernel's fp32 partial outputs and log-sum-exps per split beside it; H2O's explicit fp32
+    attention (keys, values and the query upcast, two score-sized tensors at a time, the fp32 output)."""
+    d, q, b = shape.head_dim, shape.num_heads, dtype_bytes
+    if kv.traits.tracks_mass:
+        upcast = 4 * shape.num_kv_heads * span * d + 4 * q * d if b != 4 else 0
+        return upcast + 8 * q * span + 4 * q * d
+    if backend == "triton":
+        return q * decode_splits(span) * (4 * d + 4) + q * d * b
+    return q * d * b
+
+
+def masks_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int) -> int:
+    """The attention masks a forward keeps (cache.py `attention_mask`): one per step, shared by the layers under one
+    budget; one per layer under per-layer budgets."""
+    return rows * width * span * (1 if kv.schedule == "uniform" else shape.num_layers)
+
+
+def body_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int, dtype_bytes: int,
+               backend: str = "sdpa") -> int:
+    """Peak bytes of HF's model body's forward (Qwen2 / Llama decoder layers of transformers: prefill, and decode
+    steps without our body) over `rows` rows of `width` tokens reading `span` slots: per token RoPE's cos and sin
+    (and their fp32 sources), the step's plan and the embeddings (the body keeps them to the end), beside a layer's
+    peak: its input, the residual after attention and the normed input beside the MLP's activation, up projection and
+    product, the RMSNorm's fp32 temporaries, or the attention (`attention_bytes`)."""
     h, b, d = shape.hidden_size, dtype_bytes, shape.head_dim
     tokens = rows * width
-    stream = d * (16 + 2 * b) + 3 * INDEX + h * b
-    layer = max(h * b + 3 * shape.intermediate_size * b, 2 * h * b + 8 * h)
-    return tokens * stream + max(tokens * layer, attention_bytes(shape, kv, rows, width, span, dtype_bytes))
+    stream = h * b + 2 * d * b + (16 * d + 3 * INDEX if width > 1 else 0)  # a decode step: no plan, fp32 sources gone
+    layer = max(3 * h * b + 3 * shape.intermediate_size * b, 2 * h * b + 8 * h)
+    return tokens * stream + masks_bytes(shape, kv, rows, width, span) \
+        + max(tokens * layer, attention_bytes(shape, kv, rows, width, span, dtype_bytes, backend))
 
 
-def attention_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int, dtype_bytes: int) -> int:
-    """Peak bytes of one layer's attention over `rows` rows of `width` new tokens reading `span` slots, beside the
-    stream (attention.py): the normed input, q, k and v after RoPE with RoPE's temporaries, then H2O's explicit fp32
-    attention (half keys and values upcast, two score-sized fp32 tensors at a time, three in a prefill), a prefill's
-    keys and values repeated to every
-    query head for SDPA and its output made contiguous; a decode step's SDPA reads them in place. The mask every layer
-    shares is counted too."""
+def attention_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, width: int, span: int, dtype_bytes: int,
+                    backend: str = "sdpa") -> int:
+    """Peak bytes of one layer's attention in HF's body over `rows` rows of `width` new tokens reading `span` slots,
+    beside the stream (attention.py): the normed input, q, k and v after RoPE with RoPE's temporaries, then H2O's
+    explicit fp32 attention (half keys and values upcast, two score-sized fp32 tensors at a time, three in a prefill),
+    a prefill's keys and values repeated to every query head for SDPA and its output made contiguous; a decode step
+    reads them in place (`decode_attention_bytes`). The masks, alive all the forward, are `body_bytes`'."""
     d, q, b = shape.head_dim, shape.num_heads, dtype_bytes
     tokens = rows * width
     qkv = tokens * (shape.hidden_size * b + (q + 2 * shape.num_kv_heads) * d * b)
     rope = qkv + tokens * 2 * q * d * b
-    mask = rows * width * span
+    if width == 1:
+        return max(rope, qkv + rows * decode_attention_bytes(shape, kv, span, b, backend))
     if kv.traits.tracks_mass:
         upcast = (4 * shape.num_kv_heads * span * d if b != 4 else 0) + (4 * q * width * d if b != 4 else 0)
-        scores = (8 if width == 1 else 10) * q * width * span  # a prefill also weighs the probabilities by validity
-        return mask + max(rope, qkv + rows * (upcast + scores))
-    if width == 1:
-        return mask + max(rope, qkv + rows * q * d * b)
-    return mask + max(rope, qkv + rows * (2 * q * span * d * b + 2 * q * width * d * b))
+        return max(rope, qkv + rows * (upcast + 10 * q * width * span))  # weighs the probabilities too
+    return max(rope, qkv + rows * (2 * q * span * d * b + 2 * q * width * d * b))
+
+
+def decode_body_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, span: int, dtype_bytes: int,
+                      backend: str = "sdpa") -> int:
+    """Peak bytes of our decode body's forward (rollout/embedded/decode_body.py) over `rows` rows reading `span` slots:
+    per row the RoPE table's rows and the residual stream, beside the largest of a layer's phases, each half's
+    temporaries dying with its call: the attention half (the normed input, then the fused qkv beside RoPE's product
+    and rolled copy, the attention's own allocations, o_proj's output, the new residual), the MLP half (the fused
+    gate/up beside the normed input, then the activation times up in place beside it, then the down projection),
+    and the RMSNorm (one op in fp32, two outputs in a reduced dtype). The masks are counted too."""
+    h, d, b, inter = shape.hidden_size, shape.head_dim, dtype_bytes, shape.intermediate_size
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * d * b
+    qk = (shape.num_heads + shape.num_kv_heads) * d * b
+    attend = decode_attention_bytes(shape, kv, span, b, backend)
+    out = shape.num_heads * d * b
+    attention = max(h * b + qkv, qkv + 2 * qk, qkv + qk + attend, out + h * b, 2 * h * b)
+    mlp = max(h * b + 2 * inter * b, 3 * inter * b, inter * b + h * b, 2 * h * b)
+    norm = h * b * (1 if b == 4 else 2)
+    stream = 2 * d * b + h * b
+    return masks_bytes(shape, kv, rows, 1, span) + rows * (stream + max(attention, mlp, norm))
 
 
 def head_bytes(shape: ModelShape, rows: int, dtype_bytes: int, fp32_head: bool) -> int:
@@ -216,12 +285,22 @@ def head_bytes(shape: ModelShape, rows: int, dtype_bytes: int, fp32_head: bool) 
     return rows * v * (dtype_bytes + 4 if dtype_bytes != 4 else 4)
 
 
+def sampler_bytes(shape: ModelShape, rows: int, sampler: Sampler, *, owns_logits: bool) -> int:
+    """`Sampler.bytes_per_logit` over `rows` rows of the vocabulary, with the vocabulary's own temporaries."""
+    v = shape.vocab_size
+    return rows * v * sampler.bytes_per_logit(owns_logits=owns_logits) + v * sampler.bytes_per_vocab_id()
+
+
 def decode_step_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, span: int, dtype_bytes: int,
-                      sampler: Sampler, fp32_head: bool = False) -> int:
-    """Peak bytes one decode step allocates over `rows` rows reading `span` slots (step.py): a decoder layer's
-    activations and attention, the LM head, or the fp32 logits beside the sampler's temporaries."""
-    body = body_bytes(shape, kv, rows, 1, span, dtype_bytes)
-    logits = rows * shape.vocab_size * (4 + sampler.bytes_per_logit())
+                      sampler: Sampler, fp32_head: bool = False, decode_body: bool = True,
+                      attention: str = "sdpa") -> int:
+    """Peak bytes one decode step allocates over `rows` rows reading `span` slots (step.py): the body's forward
+    (ours, `decode_body_bytes`, or HF's, `body_bytes`), the LM head, or the fp32 logits handed to the sampler."""
+    if decode_body:
+        body = decode_body_bytes(shape, kv, rows, span, dtype_bytes, attention)
+    else:
+        body = body_bytes(shape, kv, rows, 1, span, dtype_bytes, attention)
+    logits = sampler_bytes(shape, rows, sampler, owns_logits=True)
     return rows * shape.hidden_size * dtype_bytes + max(body, head_bytes(shape, rows, dtype_bytes, fp32_head), logits)
 
 
@@ -233,7 +312,9 @@ def prefill_bytes(shape: ModelShape, kv: KVCompressConfig, rows: int, prompt: in
     width = min(prompt, capacity)
     per_forward = max(1, min(rows, PREFILL_TOKENS // width))
     body = body_bytes(shape, kv, per_forward, width, width, dtype_bytes)
-    first = shape.vocab_size * (4 * per_forward + min(rows, FIRST_TOKEN_ROWS) * (4 + sampler.bytes_per_logit()))
+    first_rows = min(rows, FIRST_TOKEN_ROWS)
+    first = shape.vocab_size * 4 * (per_forward + first_rows) + sampler_bytes(shape, first_rows, sampler,
+                                                                              owns_logits=False)
     return max(body, head_bytes(shape, per_forward, dtype_bytes, fp32_head), first)
 
 
@@ -253,6 +334,12 @@ class EngineSpec:
     readback: int = 1
     device: str = "cuda"
     workspace: int | None = None  # the compaction's (None: COMPACTION_WORKSPACE_BYTES)
+    decode_body: bool = True  # decode steps through our body (decode_body.py), else HF's modules
+    decode_attention: str = "sdpa"  # one of DECODE_ATTENTION
+
+    def __post_init__(self) -> None:
+        if self.decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={self.decode_attention!r}: choose one of {DECODE_ATTENTION}")
 
 
 def engine_bytes(spec: EngineSpec, rows: int) -> dict[str, int]:
@@ -261,7 +348,8 @@ def engine_bytes(spec: EngineSpec, rows: int) -> dict[str, int]:
     s, kv = spec.shape, spec.kv
     parts = {KV_PART: rows * row_bytes(s, kv, spec.capacity, spec.dtype_bytes, spec.readback)
              + INDEX * spec.capacity + 5 * INDEX * s.num_layers}
-    decode = decode_step_bytes(s, kv, rows, spec.capacity, spec.dtype_bytes, spec.sampler, spec.fp32_head)
+    decode = decode_step_bytes(s, kv, rows, spec.capacity, spec.dtype_bytes, spec.sampler, spec.fp32_head,
+                               spec.decode_body, spec.decode_attention)
     prefill = prefill_bytes(s, kv, rows, spec.prompt, spec.capacity, spec.dtype_bytes, spec.sampler, spec.fp32_head)
     compaction = 0
     if kv.enabled and spec.capacity >= kv.budget + kv.buffer:  # rows reach the trigger: they compact

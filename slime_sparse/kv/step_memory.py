@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import KVCompressConfig
-from .engine_memory import KV_PART, EngineSpec, engine_bytes
+from .engine_memory import KV_PART, EngineSpec, Sampler, engine_bytes
 from .memory_plan import ModelShape
 
 RECOMPUTE = (None, "selective", "full")
@@ -141,7 +141,8 @@ class StepSpec:
 
     def engine(self, shape: ModelShape) -> EngineSpec:
         """The in-process engine of the rollout phase as its own admission counts it (kv/engine_memory.py): on a GPU,
-        with CUDA graphs, reading back every 8 steps, sampling at the trainer's defaults."""
+        with CUDA graphs, reading back every 8 steps, sampling at the trainer's defaults with the one-kernel sampler,
+        decoding through our body (Qwen2 / Llama: not Qwen3's query / key norms) with the Triton decode attention."""
         kv = self.kv
         if kv is None and self.kv_window:  # R-KV holding kv_slots = budget + buffer, in the default's proportions
             default = KVCompressConfig()
@@ -149,7 +150,8 @@ class StepSpec:
             kv = KVCompressConfig(method="rkv", budget=self.kv_slots - buffer, buffer=buffer, window=self.kv_window)
         kv = kv or KVCompressConfig()
         return EngineSpec(shape, kv, self.kv_slots, min(self.prompt_len, self.kv_slots), self.dtype_bytes,
-                          graphs=True, readback=8)
+                          Sampler(fused=True), graphs=True, readback=8, decode_body=not shape.qk_norm,
+                          decode_attention="triton")
 
 
 PHASES = ("rollout", "recompute", "train", "weight update")

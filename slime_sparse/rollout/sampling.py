@@ -8,11 +8,14 @@ recomputes pi_old with the same formula (dense context, same temperature), so th
 """
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.utils.lm_head import tempered_log_softmax
 
 _MASK64 = (1 << 64) - 1
@@ -55,7 +58,7 @@ class SamplingParams:
 def derive_seed(seed: int, index: int) -> int:
     """A well-mixed 63-bit seed for sample `index` of a call seeded with `seed` (splitmix64 finaliser).
 
-    Each sample's random stream is keyed by it (`counter_uniform`), so its tokens depend only on (seed, index) and
+    Each sample's random stream is keyed by it (`counter_stream`), so its tokens depend only on (seed, index) and
     not on the batch size or on which other prompts share its decode steps.
     """
     z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
@@ -94,27 +97,9 @@ def sampler_logprobs(logits: Tensor, temperature: float) -> Tensor:
     return tempered_log_softmax(logits, temperature)
 
 
-def truncated_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Tempered logits after top-k then top-p (transformers' order); what tokens are drawn from."""
-    scaled = logits.float() / params.temperature
-    return apply_top_p(apply_top_k(scaled, params.top_k), params.top_p)
-
-
-def inverse_cdf_sample(probs: Tensor, uniforms: Tensor) -> Tensor:
-    """Token i of each row such that cdf[i-1] <= u * total < cdf[i] (exact inverse-CDF sampling).
-
-    probs [n, V] (need not be normalised), uniforms [n] in [0, 1). The CDF is accumulated in float64 so
-    that tokens far below float32's resolution of ~1 keep their probability. A token of probability 0
-    is never drawn: the strict inequality puts u * total inside an interval of positive length.
-    """
-    cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
-    target = uniforms.to(device=probs.device, dtype=torch.float64)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
-
-
-def _lsr(z: Tensor, shift: int) -> Tensor:
-    """Logical right shift of int64 bit patterns (torch's >> is arithmetic: it copies the sign bit)."""
-    return (z >> shift) & ((1 << (64 - shift)) - 1)
+def truncate(tempered: Tensor, params: SamplingParams) -> Tensor:
+    """Tempered logits after top-k then top-p (transformers' order): what tokens are drawn from. Off: `tempered`."""
+    return apply_top_p(apply_top_k(tempered, params.top_k), params.top_p)
 
 
 def _signed(c: int) -> int:
@@ -122,50 +107,117 @@ def _signed(c: int) -> int:
     return c - (1 << 64) if c >= 1 << 63 else c
 
 
-_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_GOLDEN, _MIX1, _MIX2, _VOCAB_STEP = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
+                                                           0xD1B54A32D192ED03))
 
 
-def counter_uniform(keys: Tensor, counters: Tensor) -> Tensor:
-    """Uniforms in [0, 1) (float64, 53 random bits) that are a pure function of (key, counter), elementwise.
+def _mix(z: Tensor) -> Tensor:
+    """Two xorshift-multiply rounds of splitmix64's finaliser, in int64 that wraps like uint64, in place on `z` (a
+    fresh tensor: at [rows, vocab] one int64 temporary beside it, not three). The shifts are torch's arithmetic ones
+    (one op each instead of two for a logical shift): the sign bit is lost once per round, a map from 64 bits to 63,
+    and the multiply spreads what is left over the high bits that are read out."""
+    z.bitwise_xor_(z >> 30).mul_(_MIX1)
+    return z.bitwise_xor_(z >> 27).mul_(_MIX2)
 
-    splitmix64's finaliser over key + (counter + 1) * golden ratio, in int64 arithmetic that wraps like uint64
-    (`counter_uniform_reference` is the same in Python integers). Keyed by the sample's stream key
-    (`derive_seed(seed, sample index)`) and the token's index in the response, a sample's draws depend on nothing
-    else: not the batch row, the batch size, the step, nor a generator's state, so the decode step that draws them
-    can be captured in a CUDA graph and compiled (the same idea as SGLang's multinomial_with_seed and vLLM's
-    counter-based Gumbel noise; one uniform per token here, for inverse-CDF sampling).
+
+def counter_stream(keys: Tensor, counters: Tensor) -> Tensor:
+    """[n] int64: the state of token `counters[i]` of the sample keyed `keys[i]`, a pure function of the two.
+
+    Keyed by the sample's stream key (`derive_seed(seed, sample index)`) and the token's index in the response, a
+    sample's draws depend on nothing else: not the batch row, the batch size, the step, nor a generator's state, so
+    the decode step that draws them can be captured in a CUDA graph and compiled (`counter_stream_reference`: the
+    same in Python integers).
     """
-    z = keys.to(torch.int64) + (counters.to(torch.int64) + 1) * _GOLDEN
-    z = (z ^ _lsr(z, 30)) * _MIX1
-    z = (z ^ _lsr(z, 27)) * _MIX2
-    z = z ^ _lsr(z, 31)
-    return _lsr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+    return _mix(torch.add(keys, counters, alpha=_GOLDEN))
 
 
-def counter_uniform_reference(key: int, counter: int) -> float:
-    """`counter_uniform` for one (key, counter) in plain Python integers: the oracle of its int64 arithmetic."""
-    z = (key + (counter + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    z ^= z >> 31
-    return (z >> 11) / float(1 << 53)
+def gumbel_noise(streams: Tensor, vocab: int) -> Tensor:
+    """[n, V] float32 standard Gumbel noise, entry (i, v) a pure function of (streams[i], v).
+
+    The mixed stream + v * step gives 32 random bits b (the high ones); w = (b + 1/2) / 2^32 is uniform on (0, 1) and
+    -log(-log1p(-w)) = -log(-log(1 - w)) is Gumbel, computed from the side of w near 0 where float32 keeps its
+    resolution, so the noise reaches 22.9 before the 32 bits run out (SGLang's multinomial_with_seed and vLLM's
+    Gumbel sampler use the same inverse; `gumbel_reference` is the oracle). An elementwise chain that torch.compile
+    fuses into the argmax.
+    """
+    ids = torch.arange(1, vocab + 1, device=streams.device, dtype=torch.int64).mul_(_VOCAB_STEP)
+    bits = _mix(streams[:, None] + ids).bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF)
+    minus_w = bits.to(torch.float32).mul_(-1.0 / (1 << 32)).sub_(1.0 / (1 << 33))
+    del bits  # in place from here on: the noise costs 4 bytes per logit once the bits are floats
+    return torch.log1p(minus_w).neg_().log_().neg_()
+
+
+@torch.library.custom_op("slime_sparse::gumbel_noise", mutates_args=())
+def gumbel_noise_op(streams: Tensor, vocab: int) -> Tensor:
+    """`gumbel_noise` as one opaque op, what a compiled step calls: inductor's CPU code for this int64 chain fused
+    into the argmax that reads it crashes (a segfault, torch 2.13), and on CUDA the noise lives in the sampler
+    kernel anyway."""
+    return gumbel_noise(streams, vocab)
+
+
+@gumbel_noise_op.register_fake
+def _(streams: Tensor, vocab: int) -> Tensor:
+    return streams.new_empty((streams.shape[0], vocab), dtype=torch.float32)
+
+
+def _mix_reference(z: int) -> int:
+    def sar(x: int, shift: int) -> int:  # arithmetic right shift of the int64 with bits x
+        return ((x - (1 << 64) if x >> 63 else x) >> shift) & _MASK64
+
+    z = ((z ^ sar(z, 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    return ((z ^ sar(z, 27)) * 0x94D049BB133111EB) & _MASK64
+
+
+def counter_stream_reference(key: int, counter: int) -> int:
+    """`counter_stream` for one (key, counter) in plain Python integers (unsigned): the oracle of its int64 arithmetic."""
+    return _mix_reference((key + counter * 0x9E3779B97F4A7C15) & _MASK64)
+
+
+def gumbel_reference(stream: int, vocab_id: int) -> float:
+    """`gumbel_noise` of one (unsigned stream, vocab id) in Python integers, its float32 roundings, then float64."""
+    bits = _mix_reference((stream + (vocab_id + 1) * 0xD1B54A32D192ED03) & _MASK64) >> 32
+    minus_w = _f32(_f32(bits) * (-1.0 / (1 << 32)) - 1.0 / (1 << 33))
+    return -math.log(-math.log1p(minus_w))
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / T in float32, tempered_log_softmax's arithmetic; at T = 1 the logits themselves (x / 1 is x)."""
+    return logits.float() if temperature == 1.0 else logits.float() / temperature
 
 
 def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = None,
-                  counters: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  counters: Tensor | None = None, kernel=None) -> tuple[Tensor, Tensor]:
     """Draw one token per row of `logits` [n, V]; return (tokens [n] long, their recorded log-probs [n] float32).
 
-    Greedy (temperature 0) is the argmax. Otherwise row i samples by inverse CDF from the truncated distribution
-    with the uniform `counter_uniform(keys[i], counters[i])` ([n] int64 tensors on the logits' device): one random
-    number per token, a function of the sample's key and the token's index only. Free of host synchronisation and
-    data-dependent Python, so a CUDA graph or torch.compile(fullgraph=True) can hold it.
+    Greedy (temperature 0) is the argmax. Otherwise Gumbel-max: row i takes argmax(truncated logits / T + noise), the
+    noise `gumbel_noise(counter_stream(keys[i], counters[i]))` ([n] int64 tensors on the logits' device), a function of
+    the sample's key, the token's index and the vocabulary id only. One pass over the vocabulary: the tempered logits
+    feed both the recorded log-softmax and the draw (no softmax, no cumulative sum); top-k / top-p only mask what may
+    be drawn. Free of host synchronisation and data-dependent Python, so a CUDA graph or torch.compile(fullgraph=True)
+    can hold it. On CUDA, once `sampling_kernel.enable` has checked it (or given `kernel`, its `build()`), the draw and
+    the log-prob are one Triton kernel that reads the logits once.
     """
-    logp = sampler_logprobs(logits, params.temperature)
     if params.greedy:
         tokens = torch.argmax(logits, dim=-1)
+        logp = sampler_logprobs(logits, 0.0)
     else:
         if keys is None or counters is None:
             raise ValueError("sample_tokens needs a stream key and a counter per row when temperature > 0")
-        probs = torch.softmax(truncated_logits(logits, params), dim=-1)
-        tokens = inverse_cdf_sample(probs, counter_uniform(keys, counters))
+        streams = counter_stream(keys, counters)
+        truncates = params.top_k > 0 or params.top_p < 1.0
+        if kernel is not None or sampling_kernel.enabled(logits):
+            truncated = truncate(_tempered(logits, params.temperature), params) if truncates else None
+            if kernel is not None:
+                return kernel(logits, truncated, streams, params.temperature)
+            return sampling_kernel.gumbel_sample(logits, truncated, streams, params.temperature)
+        tempered = _tempered(logits, params.temperature)  # done once
+        del logits  # not read again: a caller that hands them over frees them here
+        logp = torch.log_softmax(tempered, dim=-1)
+        noise = (gumbel_noise_op if torch.compiler.is_compiling() else gumbel_noise)(streams, tempered.shape[-1])
+        tokens = torch.argmax((truncate(tempered, params) if truncates else tempered) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)

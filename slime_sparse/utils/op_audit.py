@@ -30,9 +30,20 @@ def _name(func) -> str:
     return str(func.overloadpacket) if hasattr(func, "overloadpacket") else str(func)
 
 
+def runs_kernel(func, args, out) -> bool:
+    """Whether an operation does work on the device: not a view, or an operation that may alias its input and did
+    not (`to` another dtype, `reshape` or `contiguous` of a strided tensor: under inference mode these arrive
+    whole, their copy inside them)."""
+    if not getattr(func, "is_view", False):
+        return True
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return isinstance(out, torch.Tensor) and first is not None and \
+        out.untyped_storage()._cdata != first.untyped_storage()._cdata
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the operations dispatched inside the block that run a kernel (`total`, `by_name`: views, which only
-    change metadata, are left out) and the host syncs among them."""
+    change metadata, are left out; `runs_kernel`) and the host syncs among them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,10 +56,11 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = _name(func)
-        if not getattr(func, "is_view", False):
+        out = func(*args, **(kwargs or {}))
+        if runs_kernel(func, args, out):
             self.by_name[name] += 1
         self.syncs += name in HOST_SYNC_OPS
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 class CaptureGuard(TorchDispatchMode):

@@ -1,4 +1,4 @@
-"""The attention function our engine registers with transformers' AttentionInterface.
+"""The attention function our engine registers with transformers' AttentionInterface, and decode attention.
 
 Qwen2/Llama attention computes post-RoPE q/k/v, calls `past_key_values.update(k, v, layer)` (our
 BudgetKVCache returns the held keys/values of the rows being run) and then calls the function registered
@@ -8,9 +8,15 @@ the model is handed no mask at all), it hands the queries to the cache (the obse
 methods score with) and, for H2O, it computes the probabilities explicitly so the cache can accumulate each slot's
 attention mass. Everything it does is free of host synchronisation, so a decode step through it can be captured
 in a CUDA graph. Outside an engine forward it is transformers' sdpa attention.
+
+A decode step (one new token per row, through HF's modules or our decode body's `decode_layer`) attends with one of
+DECODE_BACKENDS, the cache's `decode_backend`: "sdpa" under the cache's mask over the padded span, or "triton", a
+split-KV kernel that reads each row's length (triton_attention.py). Both are exact against dense attention.
 """
 from __future__ import annotations
 
+import logging
+import os
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -20,8 +26,11 @@ from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from . import triton_attention
 from .cache import BudgetKVCache
+from .triton_attention import decode_attention_op
 
+logger = logging.getLogger(__name__)
 ATTENTION_NAME = "slime_sparse_budget_kv"
 CACHE_KWARG = "budget_kv_cache"  # forward kwarg through which the model hands our cache to this function
 
@@ -46,17 +55,57 @@ def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, s
     return out.view(n, n_q_heads, width, d).transpose(1, 2).contiguous(), probs
 
 
-def decode_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> Tensor:
-    """Attention of one new token per row, GQA without copying keys: the group's query heads ride as G query
-    positions of their KV head (all at the same position, so one mask serves them).
+DECODE_BACKENDS = ("sdpa", "triton")
 
-    query [n, Hq, 1, d], key/value [n, Hkv, S, d], mask [n, 1, 1, S] bool. Returns [n, 1, Hq, d].
-    """
-    n, n_q_heads, _, d = query.shape
+
+def decode_attention(query: Tensor, key: Tensor, value: Tensor, cache: BudgetKVCache, layer: int,
+                     scale: float) -> Tensor:
+    """Attention of one new token per row over what its row holds in `layer` (the cache says what: a length-reading
+    Triton kernel with `cache.decode_backend` "triton", else SDPA under the cache's mask).
+
+    query [n, Hq, d], key/value [n, Hkv, S, d]. Returns [n, Hq, d]. SDPA runs GQA without copying keys: the group's
+    query heads ride as G query positions of their KV head (all at the same position, so one mask serves them)."""
+    n, n_q_heads, d = query.shape
     n_kv_heads = key.shape[1]
+    if cache.decode_backend == "triton":
+        return decode_attention_op(query, key, value, cache.decode_lengths(layer), scale)
     q = query.view(n, n_kv_heads, n_q_heads // n_kv_heads, d)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-    return out.reshape(n, 1, n_q_heads, d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=cache.attention_mask(layer), scale=scale)
+    return out.view(n, n_q_heads, d)
+
+
+def pick_decode_attention(requested: str | None, device: torch.device) -> str:
+    """The decode attention backend an engine on `device` uses: `requested`, checked, or the default (triton on CUDA
+    when the kernel builds and passes its self-check against SDPA there, else sdpa)."""
+    if requested is None:
+        if device.type != "cuda" or not triton_attention.available():
+            return "sdpa"
+        reason = triton_attention.self_check(device)
+        if reason is not None:
+            logger.warning("decode attention: the Triton kernel failed its self-check, using SDPA: %s", reason)
+            return "sdpa"
+        return "triton"
+    if requested not in DECODE_BACKENDS:
+        raise ValueError(f"decode_attention={requested!r} is invalid: choose one of {DECODE_BACKENDS}")
+    if requested == "triton":
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        if not triton_attention.available() or (device.type != "cuda" and not interpreted):
+            raise ValueError("decode_attention='triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 on CPU)")
+        triton_attention.load()
+    return requested
+
+
+def decode_layer(cache: BudgetKVCache, layer: int, query: Tensor, key: Tensor, value: Tensor, scale: float) -> Tensor:
+    """One layer's attention in a decode step of our body (decode_body.py): write the new key / value, record the
+    query (methods that score with them), attend; H2O's explicit path when the cache tracks attention mass.
+    query [n, Hq, d] post-RoPE, key / value [n, Hkv, d]. Returns [n, Hq, d]."""
+    keys, values = cache.update(key[:, :, None], value[:, :, None], layer)
+    cache.record_queries(layer, query[:, :, None])
+    if cache.tracks_mass:
+        out, probs = grouped_attention(query[:, :, None], keys, values, cache.attention_mask(layer), scale)
+        cache.accumulate_mass(layer, probs)
+        return out[:, 0]
+    return decode_attention(query, keys, values, cache, layer, scale)
 
 
 def budget_kv_attention(
@@ -76,15 +125,15 @@ def budget_kv_attention(
         )
     layer = module.layer_idx
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    mask = cache.attention_mask(layer)  # the cache knows what each row holds; the model's mask is not used
     cache.record_queries(layer, query)
-    if cache.tracks_mass:
-        out, probs = grouped_attention(query, key, value, mask, scale)
+    if cache.tracks_mass:  # the mask comes from the cache (what each row holds); the model's is not used
+        out, probs = grouped_attention(query, key, value, cache.attention_mask(layer), scale)
         cache.accumulate_mass(layer, probs)
         return out, None
     if query.shape[2] == 1:
-        return decode_attention(query, key, value, mask, scale), None
-    return sdpa_attention_forward(module, query, key, value, mask, dropout=0.0, scaling=scale, **kwargs)
+        return decode_attention(query[:, :, 0], key, value, cache, layer, scale)[:, None], None
+    return sdpa_attention_forward(module, query, key, value, cache.attention_mask(layer), dropout=0.0, scaling=scale,
+                                  **kwargs)
 
 
 AttentionInterface.register(ATTENTION_NAME, budget_kv_attention)

@@ -61,11 +61,13 @@ class BudgetKVCache(Cache):
         self.fill = torch.zeros(num_layers, num_rows, dtype=torch.int64, device=device)
         self.seen = torch.zeros(num_rows, dtype=torch.int64, device=device)
         self._arange_rows = torch.arange(num_rows, device=device)
+        self._arange_layers = torch.arange(num_layers, device=device)
         self._slots = torch.arange(capacity, device=device)
         self._zero = torch.zeros((), device=device)  # a new slot's attention mass: a device value, no host scalar
         # one budget for every layer: every layer holds the same fill, so a step's masks are built once (`_memoised`)
         self.shared_fill = shared_fill
         self.step: PrefillPlan | DecodeView | None = None
+        self.decode_backend = "sdpa"  # how decode attention reads the rows (attention.DECODE_BACKENDS)
         self._memo: dict[tuple[str, int], Tensor] = {}
 
     @property
@@ -86,20 +88,19 @@ class BudgetKVCache(Cache):
         """Write the new tokens' keys/values, return [n, Hkv, span, d] views of the rows being run."""
         step = self._current()
         key, value, positions = self.key[layer_idx], self.value[layer_idx], self.positions[layer_idx]
-        if isinstance(step, DecodeView):
-            rows = self._arange_rows[: step.n]
-            slots = self._memoised("slots", -1, lambda: self.fill[:, : step.n].clamp(max=self.capacity - 1))[layer_idx]
-            new_k, new_v, pos = key_states[:, :, 0], value_states[:, :, 0], step.positions
+        if isinstance(step, DecodeView):  # positions: every layer's at once, in `begin`
+            rows, slots = self._arange_rows[: step.n], self._decode_slots()[layer_idx]
+            new_k, new_v = key_states[:, :, 0], value_states[:, :, 0]
             first = 0
         else:
             rows, slots = step.write_row, self.fill[layer_idx, step.write_row] + step.write_offset
             src_b, src_c = step.write_src
-            new_k, new_v, pos = key_states[src_b, :, src_c], value_states[src_b, :, src_c], step.write_pos
+            new_k, new_v = key_states[src_b, :, src_c], value_states[src_b, :, src_c]
+            positions[rows, :, slots] = step.write_pos.to(torch.int32)[:, None].expand(-1, self.num_kv_heads)
             first = step.row_start
         # Advanced indices on dims 0 and 2 around a slice: both sides are [T, Hkv, d].
         key[rows, :, slots] = new_k
         value[rows, :, slots] = new_v
-        positions[rows, :, slots] = pos.to(torch.int32)[:, None].expand(-1, self.num_kv_heads)
         if self.mass is not None:
             self.mass[layer_idx][rows, :, slots] = self._zero
         span = step.spans[layer_idx]
@@ -110,7 +111,21 @@ class BudgetKVCache(Cache):
         # so nothing reads the result. 0 needs no host read of the device fills.
         return 0
 
+    def _decode_slots(self) -> Tensor:
+        """[L, n]: the slot each row's new token goes to in each layer, at its fill (a full row: its last slot)."""
+        n = self._current().n
+        return self._memoised("slots", -1, lambda: self.fill[:, :n].clamp(max=self.capacity - 1))
+
     # ---- hooks for the attention function ----
+    def decode_lengths(self, layer_idx: int) -> Tensor:
+        """[n] int32: the slots each row's new token attends to in a decode step, [0, length): its fill and itself (a
+        row without a sequence, parked full: its whole span of finite stale slots). What a length-reading kernel
+        reads instead of `attention_mask`."""
+        step = self._current()
+        span = step.spans[layer_idx]
+        return self._memoised("lengths", span, lambda: (self.fill[layer_idx, : step.n] + 1).clamp(max=span)
+                              .to(torch.int32), layer_idx)
+
     def attention_mask(self, layer_idx: int) -> Tensor:
         """[n, 1, C, span] bool: which slots each query of the current step may read (C = 1 when decoding)."""
         step = self._current()
@@ -142,7 +157,8 @@ class BudgetKVCache(Cache):
         step = self._current()
         ring = self.queries[layer_idx]
         if isinstance(step, DecodeView):
-            ring[self._arange_rows[: step.n], :, self.seen[: step.n] % self.window] = query[:, :, 0]
+            ring_slots = self._memoised("ring", -1, lambda: self.seen[: step.n] % self.window)
+            ring[self._arange_rows[: step.n], :, ring_slots] = query[:, :, 0]
             return
         slots = (self.seen[step.ring_row] + step.ring_offset) % self.window
         ring[step.ring_row, :, slots] = query[step.ring_src[0], :, step.ring_src[1]]
@@ -164,6 +180,10 @@ class BudgetKVCache(Cache):
     def begin(self, step: PrefillPlan | DecodeView) -> None:
         self.step = step
         self._memo = {}
+        if isinstance(step, DecodeView):  # the new tokens' positions, every layer in one write
+            layers, rows = self._arange_layers[:, None], self._arange_rows[None, : step.n]
+            self.positions[layers, rows, :, self._decode_slots()] = \
+                step.positions.to(torch.int32)[None, :, None].expand(self.num_layers, -1, self.num_kv_heads)
 
     def end_prefill(self) -> None:
         """After the forward of the current plan: its rows hold their new tokens."""
@@ -176,8 +196,8 @@ class BudgetKVCache(Cache):
     def end_decode(self) -> None:
         """After a decode step: every row of the step advanced by one slot (a full row stays full)."""
         n = self._current().n
-        self.fill[:, :n] = (self.fill[:, :n] + 1).clamp(max=self.capacity)
-        self.seen[:n] += 1
+        self.fill[:, :n].add_(1).clamp_(max=self.capacity)
+        self.seen[:n].add_(1)
         self.step = None
 
     # ---- rows (eager, between steps; fill_ takes its value as a kernel argument: no host-to-device copy, which from

@@ -15,7 +15,9 @@ The engine forks no model code. It relies on this surface of transformers' Qwen2
 - RoPE takes explicit `position_ids` (the engine's logical positions: keys are never re-rotated after eviction);
 - a `Cache` subclass may be built with `layers=[]` and keep its own tensors;
 - the model sets `_supports_attention_backend` (`check_model`, which the engine runs on every model it is given,
-  refuses models that do not, and models with other than full attention layers).
+  refuses models that do not, and models with other than full attention layers);
+- our decode body (decode_body.py: Qwen2 / Llama modules and weights read directly, fused projections, RoPE from a
+  table) computes what the model's own forward computes: `decode_body_error`, fp32, after a prefill through HF's body.
 
     python -m slime_sparse.rollout.embedded.contract      # the installed transformers: one line per assumption
 """
@@ -146,7 +148,44 @@ def check(architecture: str) -> list[Finding]:
                 cache.updates == [(layer, (1, heads, 4, head_dim)) for layer in range(n_layers)], str(cache.updates)),
         Finding(architecture, "RoPE follows explicit position_ids (keys arrive rotated)", rotated),
     ]
+    try:
+        err = decode_body_error(model)
+        found.append(Finding(architecture, "our decode body equals the model's forward (fp32, 1e-5)", err <= 1e-5,
+                             f"max |difference| {err:.2e}"))
+    except Exception as exc:  # the body could not be built or run: a broken assumption
+        found.append(Finding(architecture, "our decode body equals the model's forward (fp32, 1e-5)", False,
+                             f"{type(exc).__name__}: {exc}"))
     return found
+
+
+def decode_body_error(model: torch.nn.Module, prompt: tuple[int, ...] = (3, 5, 7, 9, 11),
+                      tokens: tuple[int, ...] = (13, 2, 8)) -> float:
+    """Max |final hidden state of our decode body - of the model's own forward| over decode steps of `tokens` after
+    `prompt` (prefilled through HF's body into our cache, as the engine does). The model's parameters are fused by
+    the body (decode_body.py), which changes no value."""
+    from slime_sparse.kv import KVCompressConfig
+
+    from .attention import budget_attention_installed
+    from .cache import DecodeView
+    from .decode_body import DecodeBody
+    from .runner import ModelRunner, RunnerShape
+
+    layers, capacity = model.config.num_hidden_layers, len(prompt) + len(tokens)
+    with torch.inference_mode():
+        want = model.base_model(input_ids=torch.tensor([list(prompt) + list(tokens)])).last_hidden_state[0]
+        body = DecodeBody(model)
+        runner = ModelRunner(model, RunnerShape(KVCompressConfig(), 1, capacity, "eager", 1), (capacity,) * layers,
+                             torch.device("cpu"), lambda h: h, body)
+        errors = []
+        with budget_attention_installed(model):
+            runner.prefill(0, [list(prompt)], [0], [[0]] * layers)
+            for i, token in enumerate(tokens):
+                position = torch.tensor([len(prompt) + i])
+                runner.cache.begin(DecodeView(1, (capacity,) * layers, position))
+                got = body(torch.tensor([token]), position, runner.cache)
+                runner.cache.end_decode()
+                errors.append(float((got[0] - want[len(prompt) + i]).abs().max()))
+    return max(errors)
 
 
 def _rotated(body, kwarg: str) -> bool:

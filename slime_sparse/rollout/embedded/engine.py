@@ -16,7 +16,8 @@ sequence) and state, plus the largest of a decode step's, a prefill's and a comp
 rollouts a `memory_saver` engine gives that memory back and takes it again without capturing its CUDA graphs again
 (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
-Random streams: sample i of a call seeded `seed` draws its t-th token from counter_uniform(derive_seed(seed, i), t),
+Random streams: sample i of a call seeded `seed` draws its t-th token with the Gumbel noise of
+counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`),
 so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
 """
 from __future__ import annotations
@@ -31,23 +32,27 @@ from torch import Tensor, nn
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
 from slime_sparse.kv import engine_memory
 from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
-from slime_sparse.types import GenerationOutput, KVStats
+from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
 
-from .attention import budget_attention_installed
+from .attention import budget_attention_installed, pick_decode_attention
 from .contract import check_model, eos_ids
+from .decode_body import DecodeBody
+from .decode_body import build as build_body
+from .prompts import LONG_PROMPT_POLICIES, check_prompts
 from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import SPAN_GRANULARITY, STEP_MODES
 from .table import GenerateStats
+from .weights import copy_weights
 
-LONG_PROMPT_POLICIES = ("error", "skip")
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given
 __all__ = ["EmbeddedEngine", "GenerateStats"]
 
@@ -65,8 +70,9 @@ class EmbeddedEngine:
     kv_trace: optional callback receiving a KVTraceRecord per sequence per forward (tests, debugging; it makes
       decoding step by step and eager).
     step_mode: how decode steps run: "cuda_graph" (one CUDA graph per padded batch size and span, captured on first
-      use; the default on CUDA), "compile" (torch.compile(fullgraph=True)) or "eager" (the default on CPU, where
-      compiling does not pay: benchmarks/README.md). Every mode computes the same step.
+      use; the default on CUDA), "cuda_graph_compile" (those graphs capture the step compiled by inductor),
+      "compile" (torch.compile(fullgraph=True)) or "eager" (the default on CPU, where compiling does not pay:
+      benchmarks/README.md). Every mode computes the same step.
     readback_interval: decode steps between two reads of the sampled tokens. Each read is a copy that does not
       wait: the host learns a sequence ended up to two windows late, and its row computes throwaway tokens until
       then. Default: 8 on CUDA, 1 on CPU (nothing to overlap with there: every step is read at once, and no row
@@ -77,6 +83,10 @@ class EmbeddedEngine:
       fraction of the device's free memory once the weights are loaded (--rollout-mem-fraction).
     max_batch_size: None: no cap with a memory size (what fits), else DEFAULT_MAX_BATCH_SIZE.
     memory_saver: `release_memory` gives the cache back but keeps the runner and its graphs (--offload-rollout).
+    decode_attention: "triton" (a split-KV kernel reading each row's length; the default on CUDA if it passes its
+      self-check against SDPA) or "sdpa" (a mask over the padded span; the default elsewhere).
+    hf_decode: decode through HF's modules (as prefill does), not our decode body (decode_body.py; Qwen2 / Llama:
+      other models always use HF's modules, `decode_body_reason` says why).
     """
 
     def __init__(
@@ -96,6 +106,8 @@ class EmbeddedEngine:
         kv_cache_gib: float | None = None,
         mem_fraction: float | None = None,
         memory_saver: bool = False,
+        decode_attention: str | None = None,
+        hf_decode: bool = False,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
         if max_batch_size is not None and max_batch_size < 1:
@@ -107,7 +119,7 @@ class EmbeddedEngine:
             raise ValueError(f"on_long_prompt={on_long_prompt!r} is invalid: choose one of {LONG_PROMPT_POLICIES}")
         self.device = torch.device(device)
         step_mode = step_mode or ("cuda_graph" if self.device.type == "cuda" else "eager")
-        if step_mode not in STEP_MODES or (step_mode == "cuda_graph" and self.device.type != "cuda"):
+        if step_mode not in STEP_MODES or (step_mode.startswith("cuda_graph") and self.device.type != "cuda"):
             raise ValueError(f"step_mode={step_mode!r} is invalid on {self.device.type}: choose one of {STEP_MODES} "
                              "(cuda_graph needs a CUDA device; --rollout-disable-cuda-graph runs eagerly)")
         if readback_interval is None:
@@ -120,6 +132,9 @@ class EmbeddedEngine:
         check_model(self.model)
         self.model_shape = ModelShape.from_hf_config(self.model.config.to_dict())
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
+        self.decode_attention = pick_decode_attention(decode_attention, self.device)
+        self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
+        self.fused_sampler = sampling_kernel.enable(self.device)  # CUDA: the one-kernel sampler, if it checks out
         self.fp32_lm_head = fp32_lm_head
         if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
             kv_cache_gib = mem_fraction * free_memory_bytes(self.device) / 2**30
@@ -154,24 +169,9 @@ class EmbeddedEngine:
         """Copy new weights into the model's tensors in place (no rebuild) and bump weight_version.
 
         Every parameter/buffer of the model must be provided, except aliases of a provided tensor (a tied
-        LM head). Tensors are cast to the model's dtype and device.
+        LM head). Tensors are cast to the model's dtype and device (weights.py).
         """
-        own = self.model.state_dict()
-        unexpected = sorted(k for k in state_dict if k not in own)
-        if unexpected:
-            raise ValueError(f"update_weights: unknown weight names {unexpected[:5]} (model has {len(own)} tensors)")
-        provided_storage = {own[k].data_ptr() for k in state_dict}
-        missing = sorted(k for k, t in own.items() if k not in state_dict and t.data_ptr() not in provided_storage)
-        if missing:
-            raise ValueError(f"update_weights: missing weights {missing[:5]} ({len(missing)} in all)")
-        for name, src in state_dict.items():
-            if tuple(src.shape) != tuple(own[name].shape):
-                raise ValueError(
-                    f"update_weights: {name} has shape {tuple(src.shape)}, the model's is {tuple(own[name].shape)}"
-                )
-        with torch.no_grad():
-            for name, src in state_dict.items():
-                own[name].copy_(src)  # state_dict() tensors share storage with the model's parameters
+        copy_weights(self.model, state_dict)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
     def sync_from(self, learner: WeightSource) -> None:
@@ -213,7 +213,10 @@ class EmbeddedEngine:
         "abort"; and continue earlier aborted outputs (their own streams and eviction records) where it says so."""
         params.validate()
         outputs: list[GenerationOutput | None] = [None] * len(prompts)
-        accepted = self._check_prompts(prompts, outputs)
+        accepted = check_prompts(prompts, outputs, vocab=self.model.config.vocab_size,
+                                 context=self.model.config.max_position_embeddings, max_prompt_len=self.max_prompt_len,
+                                 on_long_prompt=self.on_long_prompt, weight_version=self._weight_version)
+        self.num_skipped_prompts += sum(out is not None for out in outputs)
         partial = partial.check(prompts) if partial is not None else None
         stop = partial.stop(accepted) if partial is not None else None
         if accepted:
@@ -235,11 +238,14 @@ class EmbeddedEngine:
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
         prefill = max(len(s.prefill_tokens) for s in sequences)  # a continuation prefills its response so far too
         shape = self._runner_shape(kv, longest, len(sequences), prefill, params)
+        if self._decode_body is not None and not self._decode_body.restore():  # a dtype / device conversion:
+            self._decode_body, self._runner = DecodeBody(self.model), None  # fuse anew, and a cache of that dtype
         if self._runner is None or not self._runner.shape.holds(shape):
             self._runner = None  # free the old cache before allocating the new one
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
-            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits, self.memory_saver)
+            self._runner = ModelRunner(self.model, shape, budgets, self.device, self._logits, self._decode_body,
+                                       self.decode_attention, releasable=self.memory_saver)
             self.runner_builds += 1
         runner = self._runner
         runner.resume()  # a no-op unless the memory was given back
@@ -277,8 +283,9 @@ class EmbeddedEngine:
         `prompt` tokens (None: a full row), sampled with `params` (None: the defaults)."""
         return engine_memory.EngineSpec(
             self.model_shape, kv, capacity, min(prompt or capacity, capacity), self.model.dtype.itemsize,
-            engine_memory.Sampler.of(params or SamplingParams()), self.fp32_lm_head,
-            graphs=(mode or self.step_mode) == "cuda_graph", readback=self.readback_interval, device=self.device.type)
+            engine_memory.Sampler.of(params or SamplingParams(), self.fused_sampler), self.fp32_lm_head,
+            graphs=(mode or self.step_mode).startswith("cuda_graph"), readback=self.readback_interval,
+            device=self.device.type, decode_body=self._decode_body is not None, decode_attention=self.decode_attention)
 
     def max_rows(self, spec: engine_memory.EngineSpec) -> int:
         """Rows this engine allocates at most: max_batch_size, or what fits in kv_cache_gib with every working set
@@ -295,32 +302,3 @@ class EmbeddedEngine:
         """Next-token logits [n, V] float32 from the final hidden states [n, hidden]: the learners' head arithmetic
         (`utils.lm_head`, fp32 with --enable-fp32-lm-head); no host sync, so it runs inside the captured step."""
         return lm_head_logits(hidden, self.head_weight, fp32=self.fp32_lm_head)
-
-    def _check_prompts(self, prompts: list[list[int]], outputs: list[GenerationOutput | None]) -> list[int]:
-        """Indices of the prompts to generate for; skipped ones get their output here."""
-        vocab = self.model.config.vocab_size
-        context = self.model.config.max_position_embeddings
-        accepted, too_long = [], []
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= vocab:
-                bad = [int(t) for t in prompt if not 0 <= t < vocab]
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab}): {bad[:5]}")
-            limit = min(context - 1, self.max_prompt_len or context)  # leave room for one response token
-            if len(prompt) > limit:
-                too_long.append(i)
-                if self.on_long_prompt == "error":
-                    raise ValueError(
-                        f"prompt {i} has {len(prompt)} tokens, over the limit of {limit} "
-                        f"(max_prompt_len={self.max_prompt_len}, model context max_position_embeddings={context} "
-                        f"minus one response token); construct the engine with on_long_prompt='skip' to skip it"
-                    )
-                outputs[i] = GenerationOutput(
-                    prompt_ids=list(prompt), response_ids=[], logprobs=[], finish_reason="skipped",
-                    kv=KVStats(), weight_version=self._weight_version,
-                )
-            else:
-                accepted.append(i)
-        self.num_skipped_prompts += len(too_long)
-        return accepted

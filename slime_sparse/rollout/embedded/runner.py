@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, engine_memory
 from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
 from .arena import new_arena
@@ -51,7 +52,8 @@ def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dt
 
 class ModelRunner:
     def __init__(self, model: nn.Module, shape: RunnerShape, budgets: tuple[int, ...], device: torch.device,
-                 logits: Callable[[Tensor], Tensor], releasable: bool = False) -> None:
+                 logits: Callable[[Tensor], Tensor], decode_body: Callable | None = None,
+                 decode_attention: str = "sdpa", releasable: bool = False) -> None:
         """releasable: the cache's memory will be given back between calls with its graphs kept (`release`): on
         CUDA with graphs, the cache then lives at fixed virtual addresses (arena.py)."""
         cfg = model.config
@@ -64,9 +66,11 @@ class ModelRunner:
             num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1, zeros=self.arena.zeros)
+        self.cache.decode_backend = decode_attention
+        sampling_kernel.enable(device)  # on CUDA: the one-kernel sampler, if it builds and agrees with the torch path
         self.state = DecodeState.allocate(shape.rows, shape.readback, device)
-        self.graphs = CapturedGraphs() if shape.mode == "cuda_graph" else None
-        self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs)
+        self.graphs = CapturedGraphs() if shape.mode.startswith("cuda_graph") else None
+        self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs, decode_body)
         self.compressor = Compressor(self.cache, kv, budgets, self.graphs) if kv.enabled else None
         self.buckets, self.span_granularity = decode_shapes(shape.mode, shape.rows)
 

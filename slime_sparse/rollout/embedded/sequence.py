@@ -14,7 +14,7 @@ from slime_sparse.types import GenerationOutput, KVStats
 class Sequence:
     index: int  # position of the prompt in the generate() call
     prompt: list[int]
-    key: int  # its random stream key (derive_seed(seed, index)): token t draws counter_uniform(key, t)
+    key: int  # its random stream key (derive_seed(seed, index)): token t draws with counter_stream(key, t)
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     processed: int = 0  # prompt tokens already run through the model (their keys are, or were, in the cache)

@@ -28,7 +28,9 @@ logger = logging.getLogger(__name__)
 # No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
 # transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
 NO_MASK = None
-STEP_MODES = ("eager", "compile", "cuda_graph")
+# cuda_graph_compile: the step compiled by inductor (its own cudagraphs off) and captured in our graphs (SGLang's
+# torch.compile + hand-captured graphs): kernels fused and launched from one graph replay
+STEP_MODES = ("eager", "compile", "cuda_graph", "cuda_graph_compile")
 # Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
 # cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
 SPAN_GRANULARITY = 256
@@ -109,29 +111,31 @@ class CapturedGraphs:
 
 
 class DecodeStep:
-    """`step(n, spans, params)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph."""
+    """`step(n, spans, params)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph.
+    `decode_body`: our decode body (decode_body.py) for the step's forward; None: HF's body (prefill always is)."""
 
     def __init__(self, model: nn.Module, cache: BudgetKVCache, state: DecodeState, logits: Callable[[Tensor], Tensor],
-                 mode: str = "eager", graphs: CapturedGraphs | None = None) -> None:
+                 mode: str = "eager", graphs: CapturedGraphs | None = None,
+                 decode_body: Callable[[Tensor, Tensor, BudgetKVCache], Tensor] | None = None) -> None:
         if mode not in STEP_MODES:
             raise ValueError(f"decode step mode {mode!r} is invalid: choose one of {STEP_MODES}")
         self.body = model.base_model  # the body under the LM head (contract.py)
         self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
         self.cache, self.state, self.logits = cache, state, logits
+        self.decode_body = decode_body
         self.mode = mode
         self.params = SamplingParams()
-        self._compiled = torch.compile(self.run, fullgraph=True, dynamic=None) if mode == "compile" else None
-        self.graphs = graphs if mode == "cuda_graph" else None
+        compiled = mode in ("compile", "cuda_graph_compile")
+        self._fn = torch.compile(self.run, fullgraph=True, dynamic=None) if compiled else self.run
+        self.graphs = graphs if mode.startswith("cuda_graph") else None
 
     def __call__(self, n: int, spans: tuple[int, ...], params: SamplingParams) -> None:
         self.params = params
         if self.graphs is not None:
             self.graphs.run(("decode", n, spans, params.temperature, params.top_p, params.top_k),
-                            lambda: self.run(n, spans))
-        elif self._compiled is not None:
-            self._compiled(n, spans)
+                            lambda: self._fn(n, spans))
         else:
-            self.run(n, spans)
+            self._fn(n, spans)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """The model body over the cache's current step: final hidden states of every row's last column."""
@@ -144,15 +148,18 @@ class DecodeStep:
         """The step itself (what compile traces and a graph captures)."""
         st, cache = self.state, self.cache
         cache.begin(DecodeView(n, spans, st.positions[:n]))
-        hidden = self.forward(st.tokens[:n, None], st.positions[:n, None])
+        if self.decode_body is not None:
+            hidden = self.decode_body(st.tokens[:n], st.positions[:n], cache)
+        else:
+            hidden = self.forward(st.tokens[:n, None], st.positions[:n, None])
         tokens, logprobs = sample_tokens(self.logits(hidden), self.params, st.keys[:n], st.counters[:n])
         column = st.column.view(1)
         st.out_tokens[:n].index_copy_(1, column, tokens[:, None])
         st.out_logprobs[:n].index_copy_(1, column, logprobs[:, None])
         st.tokens[:n] = tokens
-        st.positions[:n] += 1
-        st.counters[:n] += 1
-        st.column += 1
+        st.positions[:n].add_(1)  # in place on the view: `+=` on a slice would copy back
+        st.counters[:n].add_(1)
+        st.column.add_(1)
         cache.end_decode()
 
 
