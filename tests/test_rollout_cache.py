@@ -188,8 +188,15 @@ def test_decode_attention_equals_repeat_kv_sdpa():
     n, span = 3, 7
     q, k, v = torch.randn(n, HQ, 1, D), torch.randn(n, HKV, span, D), torch.randn(n, HKV, span, D)
     mask = torch.arange(span)[None, :] <= torch.tensor([2, 6, 0])[:, None]
-    out = decode_attention(q, k, v, mask[:, None, None], 0.5)
+
+    class MaskOnly:  # what decode attention reads from the cache under SDPA: the backend and the layer's mask
+        decode_backend = "sdpa"
+
+        def attention_mask(self, layer: int) -> torch.Tensor:
+            return mask[:, None, None]
+
+    out = decode_attention(q[:, :, 0], k, v, MaskOnly(), 0, 0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1), attn_mask=mask[:, None, None], scale=0.5)
-    assert out.shape == (n, 1, HQ, D)
-    assert torch.allclose(out, ref.transpose(1, 2), atol=1e-6)
+    assert out.shape == (n, HQ, D)
+    assert torch.allclose(out, ref[:, :, 0], atol=1e-6)
