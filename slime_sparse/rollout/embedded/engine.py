@@ -9,16 +9,14 @@ never waits for the device; compaction (compressor.py) runs between steps, for e
 KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
 too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
 above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
-Memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), the engine decodes as many sequences at once as
-fit in it with every working set: a row's KV (a compressed row holds budget + buffer slots, a dense one the whole
-sequence) and state, plus the largest of a decode step's, a prefill's and a compaction's temporaries
-(kv/engine_memory.py counts them; the planner uses the same count), so compression becomes concurrency. Between
-rollouts a `memory_saver` engine gives that memory back and takes it again without capturing its CUDA graphs again
-(`release_memory` / `resume_memory`, --offload-rollout; arena.py).
+Memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), as many sequences at once as fit with every
+working set (rows' KV and state, the largest of a step's, a prefill's and a compaction's temporaries: one count,
+kv/engine_memory.py), so compression becomes concurrency. A `memory_saver` engine gives that memory back between
+rollouts and keeps its CUDA graphs (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
 Random streams: sample i of a call seeded `seed` draws its t-th token with the Gumbel noise of
-counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`),
-so its tokens do not depend on the batch it runs in, on the step mode, or on how a call is split across engines.
+counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`), so its tokens do not depend on the batch it runs
+in, on the step mode, or on how a call is split across engines.
 """
 from __future__ import annotations
 

@@ -32,19 +32,9 @@ from slime_sparse.utils.faults import fault_point
 
 from .continuation import prefilled
 from .runner import ModelRunner
-from .sequence import KVTraceRecord, Sequence
+from .sequence import KVTraceRecord, Readback, Sequence, held_trace, prompt_groups
 from .step import bucket_for
 from .table import GenerateStats, RowTable
-
-
-@dataclass
-class _Readback:
-    """A decode window's tokens on their way to the host: row r of the window belonged to sequences[r]."""
-
-    sequences: list[Sequence]
-    tokens: Tensor  # [n, steps]
-    logprobs: Tensor
-    event: "torch.cuda.Event | None"
 
 
 @dataclass
@@ -64,7 +54,7 @@ class Scheduler:
     stop: GroupStop | None = None  # --partial-rollout: abort the rest once this many groups finished
     max_running: int | None = None  # sequences decoded at once (None: every cache row; fewer when the call admits fewer)
     running: list[Sequence] = field(default_factory=list)  # running[r] lives in cache row r
-    pending: deque[_Readback] = field(default_factory=deque)
+    pending: deque[Readback] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
         cache = self.runner.cache
@@ -99,17 +89,9 @@ class Scheduler:
         of that row once the prompt is done, before any decode-time compression, so they continue from the very cache
         they would have built themselves. Leaders fill rows [first, first + n_leaders), followers the rows after.
         """
-        groups: dict[tuple, list[Sequence]] = {}
-        for seq in admitted:  # a continuation prefills its own tokens: a group of its own
-            groups.setdefault((seq.index,) if seq.resumed_at else tuple(seq.prompt), []).append(seq)
-        leaders = [group[0] for group in groups.values()]
         first = len(self.running)
-        self.running += leaders + [f for group in groups.values() for f in group[1:]]
-        rows_of: dict[int, list[int]] = {}  # leader id -> its group's rows, the leader's first
-        follower_row = first + len(leaders)
-        for b, group in enumerate(groups.values()):
-            rows_of[id(group[0])] = [first + b, *range(follower_row, follower_row + len(group) - 1)]
-            follower_row += len(group) - 1
+        leaders, followers, rows_of = prompt_groups(admitted, first)
+        self.running += leaders + followers
         table = self.table
         for row in range(first, len(self.running)):
             self.runner.reset_row(row)
@@ -243,7 +225,7 @@ class Scheduler:
                 if len(due):
                     self._compress([(row, [self.running[row]]) for row in due], decode=True)
         if steps:
-            self.pending.append(_Readback(list(self.running), *runner.readback(n, steps)))
+            self.pending.append(Readback(list(self.running), *runner.readback(n, steps)))
         while self.pending and (len(self.pending) > 1 or steps == 0 or self.readback == 1):
             self._process(self.pending.popleft())
 
@@ -268,7 +250,7 @@ class Scheduler:
             self.stats.compressions += len(rows)
             self.stats.compaction_calls += 1
 
-    def _process(self, readback: _Readback) -> None:
+    def _process(self, readback: Readback) -> None:
         """Hand the tokens of a readback window to their sequences, stopping each at its end."""
         if readback.event is not None:
             readback.event.synchronize()
@@ -286,13 +268,10 @@ class Scheduler:
             seq.finish_reason = "length"
 
     def _trace(self, row: int, seqs: list[Sequence], positions) -> None:
-        if self.trace is None:
-            return
-        per_layer = [h.cpu() for h in self.runner.cache.held_positions(row, self.table.fill[:, row].tolist())]
-        # [L, Hkv, n] when every layer holds n slots; per-layer budgets: one [Hkv, n_l] per layer
-        held = torch.stack(per_layer) if len({h.shape[-1] for h in per_layer}) == 1 else per_layer
-        for seq in seqs:
-            self.trace(KVTraceRecord(seq.index, list(positions), held))
+        if self.trace is not None:
+            held = self.runner.cache.held_positions(row, self.table.fill[:, row].tolist())
+            for record in held_trace(held, seqs, positions):
+                self.trace(record)
 
     # ---- rows ----
     def _retire(self, outputs: list[GenerationOutput | None]) -> None:

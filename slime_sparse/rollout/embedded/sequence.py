@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from slime_sparse.kv.record import EvictionRecord
@@ -114,3 +115,37 @@ class KVTraceRecord:
     sample_index: int
     query_positions: list[int]
     held_positions: Tensor
+
+
+def held_trace(per_layer: list[Tensor], seqs: list[Sequence], positions) -> list[KVTraceRecord]:
+    """The trace records of `seqs` (sharing one row) from what each layer of it holds (`cache.held_positions`)."""
+    per_layer = [h.cpu() for h in per_layer]
+    # [L, Hkv, n] when every layer holds n slots; per-layer budgets: one [Hkv, n_l] per layer
+    held = torch.stack(per_layer) if len({h.shape[-1] for h in per_layer}) == 1 else per_layer
+    return [KVTraceRecord(seq.index, list(positions), held) for seq in seqs]
+
+
+def prompt_groups(admitted: list[Sequence], first: int) -> tuple[list[Sequence], list[Sequence], dict[int, list[int]]]:
+    """Admitted sequences as prompt groups placed from row `first`: the leaders (each distinct prompt's first
+    sample; a continuation prefills its own tokens, a group of its own) in rows [first, first + n_leaders), the
+    followers in the rows after; and leader id -> its group's rows, the leader's first."""
+    groups: dict[tuple, list[Sequence]] = {}
+    for seq in admitted:
+        groups.setdefault((seq.index,) if seq.resumed_at else tuple(seq.prompt), []).append(seq)
+    leaders = [group[0] for group in groups.values()]
+    rows_of: dict[int, list[int]] = {}
+    follower_row = first + len(leaders)
+    for b, group in enumerate(groups.values()):
+        rows_of[id(group[0])] = [first + b, *range(follower_row, follower_row + len(group) - 1)]
+        follower_row += len(group) - 1
+    return leaders, [f for group in groups.values() for f in group[1:]], rows_of
+
+
+@dataclass
+class Readback:
+    """A decode window's tokens on their way to the host: row r of the window belonged to sequences[r]."""
+
+    sequences: list[Sequence]
+    tokens: Tensor  # [n, steps]
+    logprobs: Tensor
+    event: "torch.cuda.Event | None"
