@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from .methods import REGISTRY, KVMethod
-from .presets import PRESETS, FromPreset, KVPreset
+from slime_sparse.utils.presets import FromPreset
+
+from .presets import PRESETS, KVPreset
 
 
 class NoCompression(KVMethod):

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
 from slime_sparse.kv import engine_memory
-from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.utils.model_shape import ModelShape
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
