@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-budget-schedule", choices=("uniform", "pyramid"), default=None,
                    help="per-layer budgets (unset: the method's); non-uniform is planned for a paged engine "
                         "with per-layer pages, which SGLang is not")
-    p.add_argument("--kv-pyramid-beta", type=float, default=10.0, help="the trainer's --kv-pyramid-beta")
+    p.add_argument("--kv-pyramid-beta", type=float, default=KVCompressConfig.pyramid_beta,
+                   help="the trainer's --kv-pyramid-beta")
     step = p.add_argument_group("the colocated step on one GPU (embedded engine and learner)")
     step.add_argument("--rollout-batch-size", type=int, default=RolloutConfig.rollout_batch_size,
                       help="prompts per rollout")
