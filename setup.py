@@ -58,7 +58,7 @@ setup(
     entry_points={
         "console_scripts": [
             "slime-sparse-train=slime_sparse.train:main",
-            "slime-sparse-eval=slime_sparse.eval:main",
+            "slime-sparse-eval=slime_sparse.eval.cli:main",
         ],
         # loaded by every SGLang scheduler process; inert unless SLIME_SPARSE_KV_CONFIG selects a method
         "sglang.srt.plugins": ["slime_sparse_kv = sglang_patches.plugin:register"],

@@ -18,7 +18,7 @@ reward (decode + reward function), recompute (learner.compute_logprobs: pi_old),
 weight update (engine.sync_from), correction (the sparsity correction, advantages and their metrics: the pipeline's
 functions); "other" is the rest of the loop's step (bookkeeping), and the phases plus other are the step. Per phase:
 seconds, and on CUDA the peak device memory (torch's allocated + the KV cache mapped at fixed addresses) beside the
-planner's estimate (kv/step_memory.py). The table's medians are over the steps after the first (all with --steps 1).
+planner's estimate (planner/step_memory.py). The table's medians are over the steps after the first (all with --steps 1).
 
     python benchmarks/rl_step_bench.py                  # Qwen2.5-1.5B shape, 64 x 8 x (128 + 4096), 24 GiB (#43's size)
     python benchmarks/rl_step_bench.py --shape 7b --prompts 16          # other shapes: tiny 0.5b 1.5b 3b 7b
@@ -45,9 +45,9 @@ from slime_sparse.components import build_components  # noqa: E402
 from slime_sparse.config import TrainConfig  # noqa: E402
 from slime_sparse.config_loader import load_config  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
-from slime_sparse.kv.known_models import known_config  # noqa: E402
-from slime_sparse.kv.memory_plan import ModelShape  # noqa: E402
-from slime_sparse.kv.step_memory import StepSpec, phase_peaks, plan_step  # noqa: E402
+from slime_sparse.planner.known_models import known_config  # noqa: E402
+from slime_sparse.planner.step_memory import StepSpec, phase_peaks, plan_step  # noqa: E402
+from slime_sparse.utils.model_shape import ModelShape  # noqa: E402
 from slime_sparse.tasks.fixed_length import write_prompts  # noqa: E402
 from slime_sparse.tasks.tokenizer import build_char_tokenizer, save_tokenizer  # noqa: E402
 from slime_sparse.train import run_rollout, train_rollout  # noqa: E402

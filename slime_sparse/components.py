@@ -14,10 +14,9 @@ from typing import Any, Callable
 
 from slime_sparse.config import RunConfig
 from slime_sparse.data.prompt_dataset import PromptDataset, PromptStream
-from slime_sparse.eval import load_eval_sets, sparse_eval_kv
+from slime_sparse.eval import eval_kv, load_eval_sets, sparse_eval_kv
 from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner
 from slime_sparse.utils.hf import load_tokenizer
-from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.flags import flag_for
 from slime_sparse.reward import get_reward_fn
@@ -25,8 +24,6 @@ from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.rollout.partial import PartialBuffer
 from slime_sparse.utils.imports import load_function
 from slime_sparse.utils.logging import progress_bar
-
-EVAL_KV = {"dense": KVCompressConfig(method="none")}  # evaluation modes besides "sparse" (eval.sparse_eval_kv)
 
 
 @dataclass
@@ -52,8 +49,7 @@ class Components:
         if mode == "sparse" and sparse_eval_kv(self.cfg) == self.cfg.kv:
             return self.engine
         if mode not in self._eval_engines:
-            kv = sparse_eval_kv(self.cfg) if mode == "sparse" else EVAL_KV[mode]
-            self._eval_engines[mode] = self.engine.with_kv(kv)
+            self._eval_engines[mode] = self.engine.with_kv(eval_kv(self.cfg, mode))
         return self._eval_engines[mode]
 
     def data_state(self) -> dict:

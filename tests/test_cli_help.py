@@ -10,7 +10,7 @@ import pytest
 
 from slime_sparse.config import SECTION_TYPES, SECTIONS
 from slime_sparse.config_loader import build_parser
-from slime_sparse.eval import build_eval_parser
+from slime_sparse.eval.cli import build_eval_parser
 from slime_sparse.flags import NO_FLAG, flag_for
 
 
@@ -86,7 +86,7 @@ def eval_args(tiny_assets):
 
 
 def test_eval_output_in_a_missing_directory_is_created(eval_args, tmp_path):
-    from slime_sparse.eval import main
+    from slime_sparse.eval.cli import main
 
     report = tmp_path / "new" / "deeper" / "report.json"
     assert main(eval_args + ["--output", str(report)]) == 0
@@ -102,7 +102,7 @@ def test_eval_output_that_cannot_be_written_fails_before_evaluating(eval_args, t
     monkeypatch.setattr(slime_sparse.factory, "build_engine", never)
     blocker = tmp_path / "file"
     blocker.write_text("")
-    from slime_sparse.eval import main
+    from slime_sparse.eval.cli import main
 
     assert main(eval_args + ["--output", str(blocker / "report.json")]) == 2
     err = capsys.readouterr().err.strip()

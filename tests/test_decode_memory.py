@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets
 from slime_sparse.kv.engine_memory import Sampler, body_bytes, decode_body_bytes, sampler_bytes
-from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.utils.model_shape import ModelShape
 from slime_sparse.rollout.embedded.attention import budget_attention_installed
 from slime_sparse.rollout.embedded.cache import DecodeView
 from slime_sparse.rollout.embedded.decode_body import DecodeBody

@@ -15,9 +15,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import slime_sparse.kv.methods.rkv as rkv_module
 from slime_sparse.kv import METHODS, KVCompressConfig, engine_memory, layer_budgets
 from slime_sparse.kv.engine_memory import EntryShape, compaction_bytes, compaction_chunks, engine_bytes
-from slime_sparse.kv.memory_plan import ModelShape
+from slime_sparse.utils.model_shape import ModelShape
 from slime_sparse.kv.methods.base import ScoreShape
-from slime_sparse.kv.step_memory import StepSpec, plan_step
+from slime_sparse.planner.step_memory import StepSpec, plan_step
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.embedded.runner import ModelRunner, RunnerShape

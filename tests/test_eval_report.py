@@ -17,7 +17,7 @@ def eval_args(tiny_assets):
 
 
 def test_one_bare_path_is_keyed_by_its_file_name_and_printed_as_written(eval_args, tmp_path, capsys):
-    from slime_sparse.eval import main
+    from slime_sparse.eval.cli import main
 
     assets, flags = eval_args
     out = tmp_path / "report.json"
@@ -33,7 +33,7 @@ def test_one_bare_path_is_keyed_by_its_file_name_and_printed_as_written(eval_arg
 
 
 def test_named_sets_keep_their_names(eval_args, tmp_path, capsys):
-    from slime_sparse.eval import main
+    from slime_sparse.eval.cli import main
 
     assets, flags = eval_args
     out = tmp_path / "report.json"

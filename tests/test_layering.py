@@ -49,7 +49,12 @@ def test_no_rollout_engine_imports_the_orchestrator():
 
 
 @pytest.mark.parametrize("folder,allowed", [
-    ("slime_sparse/kv", ("slime_sparse.kv",)),
+    # the preset mechanism and the model's shape sit below kv/ (and algo/, which shares the presets)
+    ("slime_sparse/kv", ("slime_sparse.kv", "slime_sparse.utils.presets", "slime_sparse.utils.model_shape")),
+    ("slime_sparse/utils/presets.py", ()),
+    ("slime_sparse/utils/model_shape.py", ()),
+    ("slime_sparse/planner", ("slime_sparse.planner", "slime_sparse.kv", "slime_sparse.utils.model_shape")),
+    ("slime_sparse/eval/modes.py", ("slime_sparse.kv", "slime_sparse.types", "slime_sparse.data")),  # no CLI
     ("sglang_patches", ("sglang_patches", "slime_sparse.kv")),
     ("slime_sparse/utils/weight_sync.py", ()),
     ("slime_sparse/drift/stats.py", ()),  # the drift guard's statistics and budget rule: pure, read alone
@@ -69,3 +74,10 @@ def test_the_checker_sees_relative_and_lazy_imports():
     text = "def f():\n    from ...ray import placement\n    import slime_sparse.ray.layout\nfrom .config import X\n"
     assert our_imports(probe, text) == {"slime_sparse.ray", "slime_sparse.ray.placement", "slime_sparse.ray.layout",
                                         "slime_sparse.rollout.sglang.config", "slime_sparse.rollout.sglang.config.X"}
+
+
+def test_only_the_eval_command_imports_its_cli():
+    """The evaluation library (slime_sparse/eval/modes.py) is what the loop and components use; its command line
+    (cli.py) is imported by `python -m slime_sparse.eval` alone."""
+    found = offenders("slime_sparse", lambda n: n == "slime_sparse.eval.cli" or n.startswith("slime_sparse.eval.cli."))
+    assert found == {"slime_sparse/eval/__main__.py": ["slime_sparse.eval.cli", "slime_sparse.eval.cli.main"]}

@@ -12,8 +12,9 @@ from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.kv import layer_budgets
-from slime_sparse.kv.memory_plan import (GIB, ModelShape, layer_peak_slots, peak_kv_bytes, peak_kv_slots, plan_learner,
-                                          plan_rollout)
+from slime_sparse.planner.memory import (GIB, layer_peak_slots, peak_kv_bytes, peak_kv_slots, plan_learner,
+                                         plan_rollout)
+from slime_sparse.utils.model_shape import ModelShape
 
 QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False}

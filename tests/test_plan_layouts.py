@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from slime_sparse.kv.known_models import known_config
-from slime_sparse.kv.learner_layouts import layout_problems, layouts_of, plan_layout, rank_layouts
-from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_learner
+from slime_sparse.planner.known_models import known_config
+from slime_sparse.planner.learner_layouts import layout_problems, layouts_of, plan_layout, rank_layouts
+from slime_sparse.planner.memory import GIB, plan_learner
+from slime_sparse.utils.model_shape import ModelShape
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan_memory.py"
 QWEN7B = ModelShape.from_hf_config(known_config("Qwen2.5-7B"))  # 28 heads, 4 KV heads, 28 layers

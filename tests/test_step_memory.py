@@ -1,4 +1,4 @@
-"""The memory planner's learner side (kv/step_memory.py) and its model names (kv/known_models.py), against
+"""The memory planner's learner side (planner/step_memory.py) and its model names (planner/known_models.py), against
 independent references: transformers building each named model on the meta device, and torch's own memory tracker
 (torch.distributed._tools.mem_tracker) following every tensor a real learner micro-batch allocates on CPU."""
 from __future__ import annotations
@@ -17,11 +17,12 @@ from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.logprobs import response_logprobs
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.backends.recompute import Recompute, checkpoint_hf_layers
-from slime_sparse.kv.known_models import KNOWN_MODELS, known_config
-from slime_sparse.kv.memory_plan import GIB, ModelShape
-from slime_sparse.kv.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks, plan_step,
-                                         recompute_activation_bytes, train_activation_bytes)
+from slime_sparse.planner.known_models import KNOWN_MODELS, known_config
+from slime_sparse.planner.memory import GIB
+from slime_sparse.planner.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks, plan_step,
+                                              recompute_activation_bytes, train_activation_bytes)
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig
+from slime_sparse.utils.model_shape import ModelShape
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "plan_memory.py"
 

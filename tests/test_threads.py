@@ -47,7 +47,7 @@ def test_the_resolved_threads_are_in_the_config_and_config_yaml_reruns_with_them
 
 
 def test_train_and_eval_compute_on_the_configured_threads(tiny_assets, tmp_path, monkeypatch):
-    import slime_sparse.eval as eval_module
+    import slime_sparse.eval.cli as eval_module
     import slime_sparse.train as train_module
 
     assets = tiny_assets()

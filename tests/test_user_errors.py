@@ -43,7 +43,7 @@ def test_a_valid_negative_value_is_taken():
 
 
 def test_eval_takes_a_negative_number_after_a_flag_too(capsys):
-    from slime_sparse.eval import main
+    from slime_sparse.eval.cli import main
 
     assert main(["--lr", "-1e-5", "--output", "x.json"]) == 2
     assert capsys.readouterr().err.strip() == "error: --lr=-1e-05 is invalid: must be > 0"

@@ -12,9 +12,9 @@ parallel ranks); a layout the model cannot be split into (TP must divide the att
 layers) is listed with the reason.
 
 --hf-config is a model name this tool knows (Qwen2.5 0.5B-72B, Qwen3 0.6B-32B, Llama 3.1 8B / 70B, Llama 3.2 1B / 3B:
-slime_sparse/kv/known_models.py), a config.json, or a model directory holding one. Every default is the trainer's
-(`slime-sparse-train`): the same flag means the same thing here. Pure arithmetic (slime_sparse/kv/memory_plan.py,
-slime_sparse/kv/step_memory.py, and for the in-process engine slime_sparse/kv/engine_memory.py, the count its own
+slime_sparse/planner/known_models.py), a config.json, or a model directory holding one. Every default is the trainer's
+(`slime-sparse-train`): the same flag means the same thing here. Pure arithmetic (slime_sparse/planner/memory.py,
+slime_sparse/planner/step_memory.py, and for the in-process engine slime_sparse/kv/engine_memory.py, the count its own
 admission uses): no GPU, no weights. The CUDA context and allocator fragmentation are not counted; treat the request
 counts as upper bounds.
 """
@@ -29,18 +29,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime_sparse.config import RolloutConfig, TrainConfig  # noqa: E402  (the trainer's defaults)
 from slime_sparse.kv import KVCompressConfig, row_capacity  # noqa: E402
-from slime_sparse.kv.known_models import KNOWN_MODELS, known_config  # noqa: E402
-from slime_sparse.kv.learner_layouts import (RECOMPUTE, describe_misfit, layouts_of, plan_layout,  # noqa: E402
-                                             rank_layouts)
 from slime_sparse.kv.engine_memory import KV_PART, engine_bytes  # noqa: E402
 from slime_sparse.kv.engine_memory import max_rows as engine_max_rows  # noqa: E402
 from slime_sparse.kv.engine_memory import row_bytes as engine_row_bytes  # noqa: E402
-from slime_sparse.kv.memory_plan import GIB, ModelShape, plan_rollout  # noqa: E402
-from slime_sparse.kv.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks,  # noqa: E402
-                                         plan_step, train_activation_bytes)
+from slime_sparse.planner.known_models import KNOWN_MODELS, known_config  # noqa: E402
+from slime_sparse.planner.learner_layouts import (RECOMPUTE, describe_misfit, layouts_of, plan_layout,  # noqa: E402
+                                                  rank_layouts)
+from slime_sparse.planner.memory import GIB, plan_rollout  # noqa: E402
+from slime_sparse.planner.step_memory import (MicroBatch, StepSpec, largest_micro_batch, phase_peaks,  # noqa: E402
+                                              plan_step, train_activation_bytes)
 from slime_sparse.rollout.embedded.engine import DEFAULT_MAX_BATCH_SIZE  # noqa: E402
 from slime_sparse.rollout.sampling import SamplingParams  # noqa: E402
 from slime_sparse.rollout.sglang.config import SGLangEngineConfig  # noqa: E402
+from slime_sparse.utils.model_shape import ModelShape  # noqa: E402
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -99,7 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kv-budget-schedule", choices=("uniform", "pyramid"), default=None,
                    help="per-layer budgets (unset: the method's); non-uniform is planned for a paged engine "
                         "with per-layer pages, which SGLang is not")
-    p.add_argument("--kv-pyramid-beta", type=float, default=10.0, help="the trainer's --kv-pyramid-beta")
+    p.add_argument("--kv-pyramid-beta", type=float, default=KVCompressConfig.pyramid_beta,
+                   help="the trainer's --kv-pyramid-beta")
     step = p.add_argument_group("the colocated step on one GPU (embedded engine and learner)")
     step.add_argument("--rollout-batch-size", type=int, default=RolloutConfig.rollout_batch_size,
                       help="prompts per rollout")

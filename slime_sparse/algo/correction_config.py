@@ -1,7 +1,7 @@
 """The knobs of the sparsity correction (`CorrectionConfig`, flags `--correction-*`), their validation, and its
 presets. The algebra the knobs are terms of, and the correction itself: correction.py.
 
-Presets are named points of the algebra, started from by one mechanism with the KV presets (kv/presets.py
+Presets are named points of the algebra, started from by one mechanism with the KV presets (utils/presets.py
 `FromPreset`): ours (`PRESETS`: `none`, `paper`, `mis`) and verl's (`VERL_PRESETS`, its RolloutCorrectionConfig
 factories at their defaults).
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable, ClassVar, Mapping
 
-from slime_sparse.kv.presets import FromPreset, Preset
+from slime_sparse.utils.presets import FromPreset, Preset
 
 LEVELS = ("token", "sequence", "geometric")
 MODES = ("truncate", "mask", "icepop")

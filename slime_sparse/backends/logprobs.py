@@ -67,7 +67,7 @@ def response_log_softmax(
     del hidden  # the last layer's output is not needed past the head's input rows (autograd keeps what it needs)
     targets = torch.gather(input_ids, 1, tgt_pos)
     # one expression: no name holds the fp32 logits while their tempered copy and its log-softmax are made, so the
-    # head peaks at two [R, V] fp32 tensors, not three (kv/step_memory.py counts them)
+    # head peaks at two [R, V] fp32 tensors, not three (planner/step_memory.py counts them)
     return tempered_log_softmax(lm_head_logits(picked, hf_head_weight(model), fp32=fp32_lm_head), temperature), targets
 
 

@@ -1,5 +1,5 @@
 """Activation recompute (`--recompute-granularity / --recompute-method / --recompute-num-layers`, Megatron's flags):
-keep less for backward, recompute it there. The memory each setting saves: `kv/step_memory.py`.
+keep less for backward, recompute it there. The memory each setting saves: `planner/step_memory.py`.
 
 - full, uniform: every decoder layer keeps only its input; backward reruns the layer's forward (Megatron: chunks of
   `num_layers` layers; the embedded learner: torch's non-reentrant checkpoint around each layer, chunks of 1);

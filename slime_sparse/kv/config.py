@@ -1,18 +1,24 @@
 """Configuration of KV-cache compression, shared by every engine (embedded, SGLang).
 
-The methods themselves, each with its knobs, its scores and what it needs, are classes in `methods/`; this section
-holds what a run chooses (method, budget, buffer, granularity, budget schedule, preset) plus every method's knobs as
-flat fields, so that the `--kv-*` flags, YAML and saved configs name them as before. The knob fields take their
-default and help from the method that owns them (`method_knob`). The section validates itself once, when built.
+The methods themselves, each with its knobs, its scores and what it needs, are classes in `methods/` (kvpress's
+shape: the press dataclass is its own config). This section declares what a run chooses (method, budget, buffer,
+sinks, granularity, budget schedule, preset); every method's knobs join it as flat fields generated from the method
+classes (`with_method_knobs`), so each knob is declared once, on its method, and is a `--kv-*` flag, a YAML key, a
+field of saved configs and a knob the presets set (`PRESET_FIELDS`) by that declaration alone. The section
+validates itself once, when built.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from dataclasses import dataclass, field
+import typing
+from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from .methods import REGISTRY, KVMethod
-from .presets import PRESETS, FromPreset, KVPreset
+from slime_sparse.utils.presets import FromPreset
+
+from .presets import PRESETS, KVPreset
 
 
 class NoCompression(KVMethod):
@@ -29,14 +35,42 @@ GRANULARITIES = ("head", "layer", "model")  # per KV head and layer / one set pe
 SCHEDULES = ("uniform", "pyramid", "explicit", "drift")
 
 
-def method_knob(name: str):
-    """The config field of a method knob: default and help from the first registered method that owns it."""
-    owner = next(f for cls in REGISTRY.values() for f in cls.knobs() if f.name == name)
-    return field(default=owner.default, metadata=dict(owner.metadata))
+def method_knobs() -> dict[str, tuple[Any, dataclasses.Field]]:
+    """{knob: (type, its field)} of every registered method, in registry order: a knob several methods share (the
+    window, pooling, ...) must mean the same in each (one default, one help), since one flag sets it for all."""
+    knobs: dict[str, tuple[Any, dataclasses.Field]] = {}
+    for method in REGISTRY.values():
+        hints = typing.get_type_hints(method)
+        for f in method.knobs():
+            if f.name in knobs:
+                first = knobs[f.name][1]
+                if (first.default, first.metadata.get("help")) != (f.default, f.metadata.get("help")):
+                    raise TypeError(f"KV method {method.__name__}: knob {f.name!r} differs from another method's "
+                                    "(default or help): one flag cannot set both")
+                continue
+            knobs[f.name] = (hints[f.name], f)
+    return knobs
+
+
+def with_method_knobs(cls: type) -> type:
+    """Give config class `cls` (under @dataclass) a field per method knob, after its own, with the method's type,
+    default and help; they are the knobs its presets set (PRESET_FIELDS)."""
+    annotations = cls.__dict__.get("__annotations__", {})
+    for name, (tp, f) in method_knobs().items():
+        if name in annotations:
+            raise TypeError(f"{cls.__name__}.{name} is a KV method's knob: declare it on the method only")
+        annotations[name] = tp
+        setattr(cls, name, field(default=f.default, default_factory=f.default_factory, metadata=f.metadata))
+    cls.__annotations__ = annotations
+    cls.PRESET_FIELDS = tuple(method_knobs())
+    return cls
 
 
 @dataclass(frozen=True)
+@with_method_knobs
 class KVCompressConfig(FromPreset):
+    """The run's KV compression: the fields below, then every registered method's knobs (`with_method_knobs`)."""
+
     method: str = field(default="none", metadata={"help": (
         "KV compression of rollouts: none (dense) | " + " | ".join(REGISTRY))})
     budget: int = field(default=512, metadata={"help": (
@@ -44,14 +78,8 @@ class KVCompressConfig(FromPreset):
         "--kv-budget-schedule pyramid)")})
     buffer: int = field(default=128, metadata={"help": (
         "decode tokens between compressions: the cache cycles between B and B + buffer")})
-    window: int = method_knob("window")
-    kernel_size: int = method_knob("kernel_size")
-    pooling: str = method_knob("pooling")
-    mix_lambda: float = method_knob("mix_lambda")
-    sim_threshold: float = method_knob("sim_threshold")
     n_sink: int | None = field(default=None, metadata={"help": (
         "first tokens always kept; unset: the method's (streaming 4, others 0)")})
-    gqa_reduce: str = method_knob("gqa_reduce")
     # See kv/selection.py.
     granularity: str = field(default="head", metadata={"help": (
         "head: each KV head of each layer selects | layer: one set per layer (mean of its heads' scores) | "
@@ -64,7 +92,6 @@ class KVCompressConfig(FromPreset):
     layer_budgets: tuple[int, ...] = field(default=(), metadata={"help": (
         "one budget per layer, first layer first (needs --kv-budget-schedule explicit; --kv-budget is then "
         "unused)")})
-    pyramid_beta: float = method_knob("pyramid_beta")
     preset: str = field(default="", metadata={"help": (
         "sparse-rl-fork | rkv-code | kvpress: the reference implementation whose knob values to start from "
         "(other --kv-* flags override; slime_sparse/kv/presets.py names each source); unset: the knobs as given, "
@@ -72,9 +99,9 @@ class KVCompressConfig(FromPreset):
 
     FLAG_PREFIX: ClassVar[str] = "--kv-"
     PRESETS: ClassVar[Mapping[str, KVPreset]] = PRESETS
-    # how a method scores: what a preset defines (presets.py); method, budget and layout stay the run's
-    PRESET_FIELDS: ClassVar[tuple[str, ...]] = ("window", "kernel_size", "pooling", "gqa_reduce", "mix_lambda",
-                                                "sim_threshold", "pyramid_beta")
+    # how a method scores, what a preset defines (presets.py): the method knobs (`with_method_knobs` sets it); method,
+    # budget and layout stay the run's
+    PRESET_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_budgets, tuple):  # a list from JSON / YAML

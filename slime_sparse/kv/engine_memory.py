@@ -1,5 +1,6 @@
 """What the embedded engine holds on its device during a rollout, byte by byte: the one count that both its admission
-(`EmbeddedEngine.max_rows` under --rollout-kv-cache-gib) and the planner (step_memory.py, tools/plan_memory.py) use.
+(`EmbeddedEngine.max_rows` under --rollout-kv-cache-gib) and the planner (planner/step_memory.py, tools/plan_memory.py)
+use.
 
     engine_bytes = rows x row_bytes                      the cache and decode state of every row (`row_bytes`)
                  + working sets                          the largest of what one phase allocates on top:
@@ -23,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slime_sparse.utils.model_shape import ModelShape
+
 from .config import KVCompressConfig
-from .memory_plan import ModelShape
 from .methods.base import ScoreShape
 from .selection import shares_selection
 

@@ -21,9 +21,11 @@ registry, so adding a method is one module in this package plus its test:
         def score_bytes(self, s: ScoreShape) -> int:       # the peak bytes `score` allocates for a call of shape s
             ...
 
-and an import line in `methods/__init__.py` (the registry's order is the CLI's). A knob no registered method has yet
-is also one field of `KVCompressConfig` (`method_knob("name")`: its flag, YAML key and checkpoint field), since
-flags are typed fields of the run config.
+and an import line in `methods/__init__.py` (the registry's order is the CLI's). The class is the knobs' one
+declaration (kvpress: the press dataclass is its own config): each field becomes a field of the run's
+`KVCompressConfig` (kv/config.py `with_method_knobs`), and so a `--kv-*` flag with this help and default, a YAML key of
+section `kv`, a saved config's field and a knob the presets set. A knob several methods share is declared once here
+(`window_knob`, `kernel_knob`, ...): one flag sets it for all.
 """
 from __future__ import annotations
 

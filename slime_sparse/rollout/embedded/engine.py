@@ -29,12 +29,12 @@ from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
 from slime_sparse.kv import engine_memory
-from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput
+from slime_sparse.utils.model_shape import ModelShape
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits

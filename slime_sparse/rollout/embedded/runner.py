@@ -15,9 +15,9 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, engine_memory
-from slime_sparse.kv.memory_plan import ModelShape
 from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
+from slime_sparse.utils.model_shape import ModelShape
 
 from .arena import new_arena
 from .cache import BudgetKVCache

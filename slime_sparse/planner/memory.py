@@ -1,7 +1,7 @@
 """Back-of-the-envelope memory plans: what a budgeted KV cache buys a rollout server, what a learner holds.
 
 Pure arithmetic on an HF config, so a run can be sized before any GPU is touched (`tools/plan_memory.py`).
-The rollout numbers follow the engines exactly where they can, through the budget rule they share (schedule.py):
+The rollout numbers follow the engines exactly where they can, through the budget rule they share (kv/schedule.py):
 - the peak number of KV slots a request holds is the one SGLang's admission control reserves under our
   plugin (`sglang_patches.admission`): the prompt prefilled at once, then one slot per decode step for every
   output token but the last (dense = prompt + max_new - 1, budgeted = max(prefilled prompt, budget + buffer)
@@ -9,8 +9,8 @@ The rollout numbers follow the engines exactly where they can, through the budge
   are `schedule.row_capacity` = min(prompt + max_new, budget + buffer);
 - KV bytes per token = 2 (K and V) x layers x KV heads x head_dim x dtype bytes, the layout of both
   engines' caches; the plugin adds a ring of `window` post-RoPE queries per request and layer;
-- per-layer budgets (budgets.py): every layer fills to max_l B_l + buffer before the first compression (the
-  trigger is the fullest layer's, schedule.py), then layer l cycles in [B_l, B_l + buffer]. SGLang cannot hold them
+- per-layer budgets (kv/budgets.py): every layer fills to max_l B_l + buffer before the first compression (the
+  trigger is the fullest layer's, kv/schedule.py), then layer l cycles in [B_l, B_l + buffer]. SGLang cannot hold them
   (one slot per token for every layer: sglang_patches.settings refuses them); they are planned for the embedded
   engine (a [layers, slots] row sized for the largest layer) and for a paged engine with per-layer pages ("paged":
   the sum over layers of each layer's peak, which under this trigger is every layer at max_l B_l + buffer for a
@@ -24,64 +24,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .budgets import layer_budgets
-from .config import KVCompressConfig
-from .schedule import peak_slots, row_capacity
+from slime_sparse.kv.budgets import layer_budgets
+from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.kv.schedule import peak_slots, row_capacity
+from slime_sparse.utils.model_shape import ModelShape
 
 ENGINES = ("sglang", "embedded", "paged")
 
 GIB = 1 << 30
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The architecture facts memory depends on (Qwen2 / Llama style decoder)."""
-
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    qk_norm: bool = False  # Qwen3: an RMSNorm over each query and key head (head_dim weights each)
-
-    @classmethod
-    def from_hf_config(cls, config: dict) -> "ModelShape":
-        try:
-            heads = int(config["num_attention_heads"])
-            hidden = int(config["hidden_size"])
-            return cls(
-                num_layers=int(config["num_hidden_layers"]), hidden_size=hidden, num_heads=heads,
-                num_kv_heads=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads),
-                intermediate_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-                # Qwen2 always has q/k/v biases; Llama-style configs say so with attention_bias
-                attention_bias=config.get("model_type") == "qwen2" or bool(config.get("attention_bias", False)),
-                qk_norm=config.get("model_type") == "qwen3",
-            )
-        except KeyError as exc:
-            raise ValueError(f"HF config lacks {exc.args[0]!r}, needed to plan memory") from None
-
-    def num_parameters(self) -> int:
-        h, d, kv = self.hidden_size, self.head_dim, self.num_kv_heads
-        attn = h * self.num_heads * d + 2 * h * kv * d + self.num_heads * d * h
-        if self.attention_bias:
-            attn += self.num_heads * d + 2 * kv * d
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h + (2 * d if self.qk_norm else 0)  # RMSNorm weights
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embeddings + h  # + the final norm
-
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
-    def query_ring_bytes(self, window: int, dtype_bytes: int) -> int:
-        """The plugin's per-request ring of `window` post-RoPE queries, over all layers."""
-        return self.num_layers * window * self.num_heads * self.head_dim * dtype_bytes
 
 
 def peak_kv_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None, engine: str = "sglang") -> int:
@@ -109,7 +59,7 @@ def layer_peak_slots(prompt_len: int, max_new_tokens: int, kv: KVCompressConfig 
                  for b in layer_budgets(kv, num_layers))
 
 
-def peak_kv_bytes(shape: "ModelShape", prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
+def peak_kv_bytes(shape: ModelShape, prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
                   dtype_bytes: int, engine: str = "sglang") -> int:
     """K and V bytes one request holds at its peak on `engine`: "sglang" (one slot per token for every layer),
     "embedded" (a [layers, slots] row sized for the largest layer), or "paged" (per-layer pages, each layer its
@@ -128,7 +78,7 @@ def _check_lengths(prompt_len: int, max_new_tokens: int) -> None:
 
 
 @dataclass(frozen=True)
-class RolloutPlan:
+class RolloutMemory:
     weight_bytes: int
     kv_pool_bytes: int  # what SGLang's static memory leaves for the KV pool (and our query rings)
     kv_bytes_per_token: int
@@ -143,7 +93,7 @@ class RolloutPlan:
 
 def plan_rollout(shape: ModelShape, *, gpu_bytes: int, mem_fraction_static: float, dtype_bytes: int,
                  prompt_len: int, max_new_tokens: int, kv: KVCompressConfig | None,
-                 engine: str = "sglang") -> RolloutPlan:
+                 engine: str = "sglang") -> RolloutMemory:
     """One TP-1 server keeping `mem_fraction_static` of the GPU for weights + KV pool: SGLang, or (engine "paged")
     a paged engine with per-layer pages, the one per-layer budgets need."""
     if not 0 < mem_fraction_static <= 1:
@@ -161,21 +111,21 @@ def plan_rollout(shape: ModelShape, *, gpu_bytes: int, mem_fraction_static: floa
     per_request = peak_kv_bytes(shape, prompt_len, max_new_tokens, kv, dtype_bytes, engine)
     if kv is not None and kv.enabled:
         per_request += shape.query_ring_bytes(kv.window, dtype_bytes)
-    return RolloutPlan(weights, pool, per_token, peak, per_request, pool // per_request)
+    return RolloutMemory(weights, pool, per_token, peak, per_request, pool // per_request)
 
 
 @dataclass(frozen=True)
-class LearnerPlan:
+class LearnerMemory:
     tp: int
     pp: int
     dp: int
     bytes_per_gpu: int  # weights + gradients + optimizer (+ frozen reference), activations excluded
 
 
-def plan_learner(shape: ModelShape, *, tp: int, pp: int, dp: int, with_ref: bool = False) -> LearnerPlan:
+def plan_learner(shape: ModelShape, *, tp: int, pp: int, dp: int, with_ref: bool = False) -> LearnerMemory:
     """Megatron, bf16 weights, fp32 gradients, distributed optimizer (fp32 master + Adam m, v sharded over DP)."""
     if min(tp, pp, dp) < 1:
         raise ValueError(f"tp, pp and dp must be >= 1, got {tp}, {pp}, {dp}")
     per_rank_params = math.ceil(shape.num_parameters() / (tp * pp))
     per_param = 2 + 4 + 12 / dp + (2 if with_ref else 0)
-    return LearnerPlan(tp, pp, dp, int(per_rank_params * per_param))
+    return LearnerMemory(tp, pp, dp, int(per_rank_params * per_param))

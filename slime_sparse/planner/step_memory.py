@@ -1,6 +1,6 @@
 """What one colocated RL step holds on its device, phase by phase: the rollout engine's weights and KV cache, the
 learner's weights, gradients and optimizer state, and each learner micro-batch's activations, with and without
-activation recompute. Pure arithmetic on a `ModelShape`, like the KV plan beside it (memory_plan.py).
+activation recompute. Pure arithmetic on a `ModelShape`, like the rollout's and the learner state's beside it (memory.py).
 
 The learner terms follow what the embedded learner's autograd graph keeps (a Hugging Face Qwen2 / Llama / Qwen3
 decoder under SDPA, the LM head on the response positions only: `backends.logprobs`), counted tensor by tensor
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import KVCompressConfig
-from .engine_memory import KV_PART, EngineSpec, Sampler, engine_bytes
-from .memory_plan import ModelShape
+from slime_sparse.kv.config import KVCompressConfig
+from slime_sparse.kv.engine_memory import KV_PART, EngineSpec, Sampler, engine_bytes
+from slime_sparse.utils.model_shape import ModelShape
 
 RECOMPUTE = (None, "selective", "full")
 FP32 = 4

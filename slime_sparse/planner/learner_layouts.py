@@ -3,14 +3,16 @@
 Megatron splits attention heads and KV heads (query groups) over tensor-parallel ranks and whole layers over
 pipeline stages, so TP must divide both head counts and PP the layer count (what our Megatron learner checks when
 it builds, `backends/megatron/model_config.py`); a layout that breaks one of these is listed with the reason,
-never planned. Memory per GPU: `memory_plan.plan_learner` (weights, gradients, optimizer) plus one micro-batch's
+never planned. Memory per GPU: `memory.plan_learner` (weights, gradients, optimizer) plus one micro-batch's
 activations divided by TP x PP, by --recompute-granularity.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory_plan import GIB, ModelShape, plan_learner
+from slime_sparse.utils.model_shape import ModelShape
+
+from .memory import GIB, plan_learner
 
 RECOMPUTE = (None, "selective", "full")  # cheapest first: a layout that fits without recompute trains fastest
 
