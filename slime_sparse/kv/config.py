@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from .methods import REGISTRY, KVMethod

@@ -27,22 +27,20 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig, layer_budgets, row_capacity, trigger
-from slime_sparse.kv import engine_memory
+from slime_sparse.kv import KVCompressConfig, engine_memory, layer_budgets, row_capacity, trigger
 from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed
 from slime_sparse.types import GenerationOutput
-from slime_sparse.utils.model_shape import ModelShape
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
 from slime_sparse.utils.lm_head import hf_head_weight, lm_head_logits
+from slime_sparse.utils.model_shape import ModelShape
 
 from .attention import budget_attention_installed, pick_decode_attention
 from .contract import check_model, eos_ids
-from .decode_body import DecodeBody
-from .decode_body import build as build_body
+from .decode_body import DecodeBody, build as build_body
 from .prompts import LONG_PROMPT_POLICIES, check_prompts
 from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
