@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/learner_bench.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from slime_sparse import pipeline  # noqa: E402
+from slime_sparse.rollout import pipeline  # noqa: E402
 from slime_sparse.algo import CorrectionConfig, LossConfig, grpo_advantages  # noqa: E402
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
 from slime_sparse.backends.batching import MicroBatching  # noqa: E402

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from slime_sparse import pipeline
+from slime_sparse.rollout import pipeline
 from slime_sparse.utils import cuda_vmm
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
