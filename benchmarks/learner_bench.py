@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/learner_bench.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from slime_sparse import pipeline  # noqa: E402
+from slime_sparse.rollout import pipeline  # noqa: E402
 from slime_sparse.algo import CorrectionConfig, LossConfig, grpo_advantages  # noqa: E402
 from slime_sparse.backends.base import TrainBatch  # noqa: E402
 from slime_sparse.backends.batching import MicroBatching  # noqa: E402
@@ -48,7 +48,7 @@ SUITES = {
     # rows bound its share from above.
     "full": ["qwen2-19m:8:32:64", "qwen2-19m:16:64:128", "qwen2-19m:32:128:256", "smollm2-135m:16:128:256"],
 }
-TIMED = ("sparsity_correction", "mismatch_metrics", "kv_metrics", "pad_right")  # pipeline's names, wrapped
+TIMED = ("judge_rows", "batch_correction", "mismatch_metrics", "kv_metrics", "pad_right")  # the pipeline's, wrapped
 
 
 @dataclass(frozen=True)

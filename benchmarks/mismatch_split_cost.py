@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # `python benchmarks/mismatch_split_cost.py` from a checkout
     sys.path.insert(0, str(REPO))
 
-from slime_sparse import pipeline  # noqa: E402
+from slime_sparse.rollout import pipeline  # noqa: E402
 from slime_sparse.algo import CorrectionConfig, LossConfig, mismatch_split_metrics  # noqa: E402
 from slime_sparse.backends.batching import MicroBatching  # noqa: E402
 from slime_sparse.backends.embedded.learner import EmbeddedLearner  # noqa: E402

@@ -11,12 +11,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from slime_sparse import pipeline
+from slime_sparse.rollout import pipeline
 from slime_sparse.utils import cuda_vmm
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-CORRECTION_FNS = ("sparsity_correction", "grpo_advantages", "kv_metrics", "mismatch_metrics", "mismatch_split_metrics",
-                  "shadow_metrics")  # what the pipeline calls for the correction, advantages and their metrics
+CORRECTION_FNS = ("judge_rows", "batch_correction", "group_baseline_advantages", "kv_metrics", "mismatch_metrics",
+                  "mismatch_split_metrics", "shadow_metrics")  # what the pipeline calls for the correction, advantages and their metrics
 
 
 class PhaseClock:

@@ -1,6 +1,6 @@
 """The pieces of a run, built from its config: tokenizer, data stream, evaluation set, rollout function, reward,
-learner, engine. The user's modules (reward, rollout function) are imported here, by the builders (the
-dynamic-sampling filters by the rollout function that applies them).
+learner, engine. The user's functions (rollout function, dynamic-sampling filters, reward) are resolved here, once
+per run, by the builders (start-up, `slime_sparse.startup`, only checked that they import).
 
 The loop in `train.py` only calls the `Components` methods. Where the learner and the engine live is decided once,
 in `build_backends`: in this process (`factory.py`) or as Ray actors (`ray/build.py`, --use-ray); either way they
@@ -20,6 +20,7 @@ from slime_sparse.utils.hf import load_tokenizer
 from slime_sparse.resume import CONFIG_KEY, checkpoint_config
 from slime_sparse.flags import flag_for
 from slime_sparse.reward import get_reward_fn
+from slime_sparse.rollout.filter_hub import load_filters
 from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.rollout.partial import PartialBuffer
 from slime_sparse.utils.imports import load_function
@@ -35,6 +36,7 @@ class Components:
     learner: Any
     engine: Any
     rollout_fn: Callable | None = None  # --rollout-function-path (slime's signature: rollout/base_types.py)
+    filters: list = field(default_factory=list)  # --dynamic-sampling-filter-path (rollout/filter_hub.py)
     eval_sets: dict = field(default_factory=dict)  # {name: records} of each --eval-prompt-data set
     placement: Any = None  # what holds the learner and engine besides themselves (Ray: actors' placement group)
     partial: Any = None  # --partial-rollout: the unfinished groups a rollout carries to the next (rollout/partial.py)
@@ -119,6 +121,7 @@ def build_components(cfg: RunConfig) -> Components:
         )
     eval_sets = load_eval_sets(cfg, tokenizer)
     rollout_fn = load_function(cfg.rollout.rollout_function_path, flag_for("rollout", "rollout_function_path"))
+    filters = load_filters(cfg.rollout.dynamic_sampling_filter_path)
     reward_fn = get_reward_fn(cfg.reward)
     try:
         learner, engine, placement = build_backends(cfg)
@@ -126,7 +129,7 @@ def build_components(cfg: RunConfig) -> Components:
         getattr(reward_fn, "close", lambda: None)()
         raise
     components = Components(cfg=cfg, tokenizer=tokenizer, stream=stream, reward_fn=reward_fn, learner=learner,
-                            engine=colocated(engine, cfg), rollout_fn=rollout_fn, eval_sets=eval_sets,
+                            engine=colocated(engine, cfg), rollout_fn=rollout_fn, filters=filters, eval_sets=eval_sets,
                             placement=placement, partial=PartialBuffer(stream) if cfg.overlap.partial_rollout else None)
     try:
         components.sync_weights()

@@ -25,11 +25,11 @@ from slime_sparse.config_loader import load_config, save_config
 from slime_sparse.drift.guard import STATE_KEY as DRIFT_KEY, DriftGuard, build_guard
 from slime_sparse.eval import evaluate_modes
 from slime_sparse.flags import flag_for
-from slime_sparse.pipeline import PreparedRollout, prepare_rollout, response_metrics, split_steps
 from slime_sparse.preflight import no_gradient_warning, start_warnings, warn
 from slime_sparse.resume import CONFIG_KEY, check_experiment, resume, resume_candidates
 from slime_sparse.reward import RewardFailure
 from slime_sparse.rollout.base_types import RolloutFnTrainOutput, call_rollout_fn
+from slime_sparse.rollout.pipeline import PreparedRollout, prepare_rollout, response_metrics, split_steps
 from slime_sparse.startup import StartupError, check_outputs, save_dir
 from slime_sparse.utils.checkpoint import read_trainer_state, tidy_save_dir
 from slime_sparse.utils.logging import MetricsLogger, WandbSettings
@@ -97,14 +97,15 @@ def run_rollout(cfg: RunConfig, components: Components, rollout_id: int) -> tupl
 
 def prepare_batch(cfg: RunConfig, components: Components, rollout: RolloutFnTrainOutput,
                   metrics: dict | None = None) -> tuple[PreparedRollout | None, dict]:
-    """A rollout function's output made a training batch with the learner's weights now (pi_old, pi_ref, the
-    correction; None when it holds no sample), and its metrics (`metrics` first)."""
+    """A rollout function's output made a training batch with the learner's weights now (pi_ref, the correction it
+    judged or, without one, pi_old and the correction; None when it holds no sample), and its metrics (`metrics`
+    first)."""
     samples = [s for group in rollout.samples for s in group]
     metrics = {**(metrics or {}), **(response_metrics(samples) if samples else {}), **(rollout.metrics or {})}
     if not samples:
         return None, metrics
     t1 = time.perf_counter()
-    prepared = prepare_rollout(samples, components.learner, cfg.correction, old=rollout.old_logprobs,
+    prepared = prepare_rollout(samples, components.learner, cfg.correction, corrected=rollout.correction,
                                advantage_spec=cfg.rollout.advantage_spec, need_ref=cfg.loss.needs_ref,
                                plan=rollout.plan)
     metrics["perf/recompute_s"] = metrics.get("perf/recompute_s", 0.0) + time.perf_counter() - t1

@@ -60,7 +60,8 @@ class Sample:
     reward: float = 0.0
     kv: KVStats = field(default_factory=KVStats)
     weight_version: int = 0
-    rejected: bool = False  # the sparsity correction kept none of its tokens (set once pi_old is known)
+    # the sparsity correction kept none of its tokens (set by rollout.pipeline.correct; None: not judged yet)
+    rejected: bool | None = None
     metadata: dict = field(default_factory=dict)
     evictions: EvictionRecord | None = None  # the engine's record: the learner's shadow forward rebuilds its mask
     # (first response token, policy version: rollouts the learner had trained) of each stretch of the response that

@@ -20,7 +20,7 @@ from slime_sparse.algo import (
     ADVANTAGE_ESTIMATORS, AdvantageSpec, CorrectionConfig, LossConfig, compute_advantages, policy_loss,
 )
 from slime_sparse.algo.advantages import check_composition, whiten_over_tokens
-from slime_sparse.pipeline import prepare_rollout
+from slime_sparse.rollout.pipeline import prepare_rollout
 from slime_sparse.types import KVStats, Sample
 
 REWARDS = [1.0, 0.0, 0.0, 1.0, 0.3, 0.0, 1.0, 1.0, 1.0, 0.7, 0.0, 0.25]

@@ -78,7 +78,7 @@ def test_learner_bench_ci_row():
 def test_learner_bench_makes_samples_the_correction_acts_on():
     """The synthetic rollout exercises the correction: some tokens rejected, weights not all 1."""
     bench = load("learner_bench")
-    from slime_sparse import pipeline
+    from slime_sparse.rollout import pipeline
     from slime_sparse.algo import CorrectionConfig, LossConfig
 
     row = bench.RowSpec.parse("tiny:8:16:24")

@@ -9,7 +9,7 @@ import torch
 
 from slime_sparse.config import RunConfig
 from slime_sparse.config_loader import load_config
-from slime_sparse.pipeline import split_steps
+from slime_sparse.rollout.pipeline import split_steps
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.rollout import filter_hub
 from slime_sparse.rollout.filter_hub import (DynamicFilterOutput, check_min_kept_samples, check_reward_nonzero_std,
@@ -238,10 +238,9 @@ class _FixedLearner:  # dense pi_old far below the sampler's log-probs: the mis 
                                                  ("smd", [False, False])])
 def test_only_sparse_rl_marks_samples_rejected(loss_type, rejected):
     from slime_sparse.algo import CorrectionConfig, LossConfig
-    from slime_sparse.pipeline import dense_logprobs
+    from slime_sparse.rollout.pipeline import correct
 
     samples = group(0, [1, 0])
     trains_shadow = LossConfig(loss_type=loss_type).trains_shadow
-    dense_logprobs(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"),
-                   plan=RolloutPlan(trains_shadow=trains_shadow))
+    correct(samples, _FixedLearner(), CorrectionConfig.from_preset("mis"), plan=RolloutPlan(trains_shadow=trains_shadow))
     assert [s.rejected for s in samples] == rejected  # shadow / smd train the sampler's policy: nothing rejected

@@ -34,7 +34,7 @@ from slime_sparse.algo import (
 from slime_sparse.algo.advantages import check_composition
 from slime_sparse.algo.loss import RATIO_LEVELS
 from slime_sparse.backends.base import microbatch_loss
-from slime_sparse.pipeline import prepare_rollout, split_steps
+from slime_sparse.rollout.pipeline import prepare_rollout, split_steps
 from slime_sparse.types import KVStats, Sample
 
 FAST_CASES = 200

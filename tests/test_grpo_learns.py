@@ -17,7 +17,7 @@ from slime_sparse.algo import CorrectionConfig, LossConfig
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.pipeline import prepare_rollout, split_steps, to_samples
+from slime_sparse.rollout.pipeline import prepare_rollout, split_steps, to_samples
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.sampling import SamplingParams
 from slime_sparse.tasks.tiny_model import TinyModelConfig, build_tiny_model

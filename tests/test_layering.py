@@ -48,6 +48,24 @@ def test_no_rollout_engine_imports_the_orchestrator():
     assert offenders("slime_sparse/rollout", lambda n: n == "slime_sparse.ray" or n.startswith("slime_sparse.ray.")) == {}
 
 
+ENGINES = ("slime_sparse/rollout/embedded", "slime_sparse/rollout/sglang", "slime_sparse/rollout/base.py",
+           "slime_sparse/rollout/sampling.py", "slime_sparse/rollout/offload.py")
+
+
+def test_engines_and_learners_meet_only_in_the_rollout_function_and_pipeline():
+    """Engines never import learners (nor the rollout function or the pipeline above them); learners import nothing
+    of `rollout/`. They meet in rollout/sparse_rollout.py and rollout/pipeline.py, which sit above both."""
+    above = ("slime_sparse.backends", "slime_sparse.rollout.pipeline", "slime_sparse.rollout.sparse_rollout",
+             "slime_sparse.rollout.filter_hub")
+    paths = [p for e in ENGINES for p in ([ROOT / e] if e.endswith(".py") else modules(e))]
+    assert len(paths) > 5
+    bad = {str(p.relative_to(ROOT)): sorted(n for n in our_imports(p) if any(n == a or n.startswith(a + ".")
+                                                                              for a in above)) for p in paths}
+    assert {p: names for p, names in bad.items() if names} == {}
+    assert offenders("slime_sparse/backends", lambda n: n == "slime_sparse.rollout"
+                     or n.startswith("slime_sparse.rollout.")) == {}
+
+
 @pytest.mark.parametrize("folder,allowed", [
     # the preset mechanism and the model's shape sit below kv/ (and algo/, which shares the presets)
     ("slime_sparse/kv", ("slime_sparse.kv", "slime_sparse.utils.presets", "slime_sparse.utils.model_shape")),

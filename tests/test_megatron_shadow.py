@@ -14,7 +14,7 @@ from slime_sparse.backends.embedded.learner import EmbeddedLearner  # noqa: E402
 from slime_sparse.backends.megatron.parallel import spawn  # noqa: E402
 from slime_sparse.backends.optimizer import OptimConfig  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
-from slime_sparse.pipeline import prepare_rollout  # noqa: E402
+from slime_sparse.rollout.pipeline import prepare_rollout  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 from slime_sparse.types import Sample  # noqa: E402

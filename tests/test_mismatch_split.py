@@ -13,7 +13,7 @@ from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.logprobs import pad_right
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.pipeline import dense_logprobs, prepare_rollout
+from slime_sparse.rollout.pipeline import correct, prepare_rollout
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.types import Sample
@@ -145,8 +145,7 @@ def test_bypass_anchors_ppo_at_the_sampler_and_skips_the_dense_forward_when_noth
 def test_bypass_marks_nonfinite_samples_without_the_dense_forward():
     samples, learner = rollout(RKV)
     samples[2].rollout_logprobs = [float("-inf")] + samples[2].rollout_logprobs[1:]
-    assert dense_logprobs(samples, learner, CorrectionConfig(bypass_mode=True),
-                          plan=RolloutPlan(metrics_due=False)) is None
+    assert correct(samples, learner, CorrectionConfig(bypass_mode=True), plan=RolloutPlan(metrics_due=False)).old is None
     assert learner.calls == [] and [s.rejected for s in samples] == [False, False, True, False]
     with pytest.raises(ValueError, match="bypass-mode with --loss-type shadow"):
         prepare_rollout(samples, learner, CorrectionConfig(bypass_mode=True), plan=RolloutPlan(trains_shadow=True))

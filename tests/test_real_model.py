@@ -25,7 +25,7 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import KVCompressConfig
-from slime_sparse.pipeline import prepare_rollout, split_steps, to_samples
+from slime_sparse.rollout.pipeline import prepare_rollout, split_steps, to_samples
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 

@@ -12,7 +12,7 @@ from slime_sparse.backends.batching import MicroBatching
 from slime_sparse.backends.embedded.learner import EmbeddedLearner
 from slime_sparse.backends.optimizer import OptimConfig
 from slime_sparse.kv import EvictionRecord, KVCompressConfig
-from slime_sparse.pipeline import prepare_rollout, shadow_records
+from slime_sparse.rollout.pipeline import prepare_rollout, shadow_records
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine, KVTraceRecord
 from slime_sparse.types import KVStats, Sample

@@ -51,7 +51,7 @@ def comparable(row: dict) -> dict:
 def first_group_only(args, rollout_id, data_source, evaluation=False):
     """The default rollout cut to its first group, with a metric of its own."""
     from slime_sparse.rollout.base_types import RolloutFnTrainOutput
-    from slime_sparse.rollout_fn import generate_rollout
+    from slime_sparse.rollout.sparse_rollout import generate_rollout
 
     out = generate_rollout(args, rollout_id, data_source, evaluation=evaluation)
     return RolloutFnTrainOutput(samples=out.samples[:1], metrics={"custom/rollout_id": float(rollout_id)})
@@ -59,7 +59,7 @@ def first_group_only(args, rollout_id, data_source, evaluation=False):
 
 def groups_only(args, rollout_id, data_source, evaluation=False):
     """slime's older form: the bare list of groups (no metrics, no pi_old: the loop computes what it needs)."""
-    from slime_sparse.rollout_fn import generate_rollout
+    from slime_sparse.rollout.sparse_rollout import generate_rollout
 
     return generate_rollout(args, rollout_id, data_source, evaluation=evaluation).samples
 

@@ -32,7 +32,7 @@ from slime_sparse.backends.embedded.learner import EmbeddedLearner  # noqa: E402
 from slime_sparse.backends.logprobs import pad_right, response_mask  # noqa: E402
 from slime_sparse.backends.optimizer import OptimConfig  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
-from slime_sparse.pipeline import group_advantages, sampler_logprobs, shadow_logprobs_for_split, to_samples  # noqa: E402
+from slime_sparse.rollout.pipeline import group_advantages, sampler_logprobs, shadow_logprobs_for_split, to_samples  # noqa: E402
 from slime_sparse.rollout import SamplingParams  # noqa: E402
 from slime_sparse.rollout.embedded import EmbeddedEngine  # noqa: E402
 

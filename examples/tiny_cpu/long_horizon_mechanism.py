@@ -77,7 +77,7 @@ def generate_arm(cfg, records, out_dir: str, name: str, seed: int) -> list[dict]
     (seed, i), whatever the chunking); per sample: prompt, response, sampler log-probs, reward, finish reason, first
     compression start, and for compressed arms the dense recompute pi_old. Resumes chunk by chunk."""
     from slime_sparse.factory import EngineSpec, LearnerSpec, build_engine, build_learner
-    from slime_sparse.pipeline import assign_rewards, to_samples
+    from slime_sparse.rollout.pipeline import assign_rewards, to_samples
     from slime_sparse.reward import get_reward_fn
     from slime_sparse.utils.hf import load_tokenizer
 

@@ -20,6 +20,9 @@ from slime_sparse.algo.correction import (
     VERL_PRESETS,
     CorrectionConfig,
     CorrectionResult,
+    RowVerdict,
+    batch_correction,
+    judge_rows,
     sparsity_correction,
 )
 from slime_sparse.algo.loss import (
@@ -56,6 +59,9 @@ __all__ = [
     "VERL_PRESETS",
     "CorrectionConfig",
     "CorrectionResult",
+    "RowVerdict",
+    "batch_correction",
+    "judge_rows",
     "LossConfig",
     "aggregate",
     "broadcast_to_tokens",

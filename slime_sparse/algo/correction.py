@@ -54,6 +54,7 @@ weight 0, is left out of the batch-normalisation mean and of the xi statistics, 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -66,8 +67,8 @@ from .correction_config import (ALL_PRESETS, LEVELS, MODES, PRESETS, RS_OPTIONS,
 from .metrics import mismatch_inputs
 
 __all__ = ["ALL_PRESETS", "LEVELS", "MODES", "PRESETS", "RS_OPTIONS", "VERL_PRESETS", "CorrectionConfig",
-           "CorrectionResult", "RejectionRule", "kl_estimators", "level_log_ratio", "parse_rejection_rules",
-           "rule_statistic", "sparsity_correction"]
+           "CorrectionResult", "RejectionRule", "RowVerdict", "batch_correction", "judge_rows", "kl_estimators",
+           "level_log_ratio", "parse_rejection_rules", "rule_statistic", "sparsity_correction"]
 
 # The references skip batch normalisation below this mean weight (avoids dividing by ~0).
 _BATCH_NORM_MIN_MEAN = 1e-8
@@ -159,6 +160,14 @@ def sparsity_correction(
         rollout_is_mean / _std / _eff_sample_size); batch_norm_factor: the mean the weights were divided by (1.0
         when not applied); weight_mean: mean final weight over kept tokens.
     """
+    verdict = judge_rows(logp_old, logp_sparse, mask, cfg, advantages=advantages)
+    return batch_correction(verdict, cfg, batch_norm_reduce=batch_norm_reduce)
+
+
+def judge_rows(logp_old: Tensor, logp_sparse: Tensor, mask: Tensor, cfg: CorrectionConfig, *,
+               advantages: Tensor | None = None) -> "RowVerdict":
+    """Every rule of the correction, each sequence on its own (the arguments as `sparsity_correction`'s): what the
+    rows keep and their weights before batch normalisation. `batch_correction` finishes it over a batch."""
     rules = cfg.rules  # parsed once per config (a CorrectionConfig is validated when it is built)
     old, sparse, orig = mismatch_inputs(logp_old, logp_sparse, mask)
     dtype = old.dtype
@@ -223,8 +232,19 @@ def sparsity_correction(
         opsm_seq = valid.any(dim=-1) & (advantages.to(old.device) < 0) & (seq_kl > cfg.opsm_delta)
         keep = keep & ~opsm_seq[:, None]
 
-    weights_before_norm = weights
-    norm_factor = torch.ones((), dtype=dtype, device=old.device)
+    return RowVerdict(orig=orig, valid=valid, keep=keep, nonfinite_seq=nonfinite_seq, veto_token=veto_token,
+                         vetoed_seq=vetoed_seq, opsm_seq=opsm_seq, low_hit=low_hit, high_hit=high_hit, above=above,
+                      below=below, rule_rejects=rule_rejects, xi=xi, weights=weights)
+
+
+def batch_correction(verdict: "RowVerdict", cfg: CorrectionConfig, *,
+                     batch_norm_reduce: Callable[[Tensor], Tensor] | None = None) -> CorrectionResult:
+    """The batch's part of the correction over rows judged by `judge_rows`: the weights' batch normalisation and the
+    metrics (see `sparsity_correction`). No rule is evaluated again."""
+    weights, valid, keep = verdict.weights, verdict.valid, verdict.keep
+    dtype = weights.dtype
+    zero = torch.zeros((), dtype=dtype, device=weights.device)
+    norm_factor = torch.ones((), dtype=dtype, device=weights.device)
     if cfg.batch_normalize:
         if cfg.is_level == "token":
             stats = torch.stack([weights.sum(), valid.sum().to(dtype)])
@@ -238,24 +258,19 @@ def sparsity_correction(
         weights = weights / norm_factor
 
     out_mask = keep.to(dtype)
-    seq_kept = keep.any(dim=-1)
-    metrics = _correction_metrics(
-        _Counts(orig=orig, valid=valid, keep=keep, seq_kept=seq_kept, nonfinite_seq=nonfinite_seq,
-                veto_token=veto_token, vetoed_seq=vetoed_seq, opsm_seq=opsm_seq, low_hit=low_hit, high_hit=high_hit,
-                above=above, below=below, rule_rejects=rule_rejects),
-        xi, weights_before_norm, weights, norm_factor,
-    )
-    return CorrectionResult(weights=weights.detach(), mask=out_mask, seq_kept=seq_kept, metrics=metrics)
+    metrics = _correction_metrics(verdict, weights, norm_factor)
+    return CorrectionResult(weights=weights.detach(), mask=out_mask, seq_kept=verdict.seq_kept, metrics=metrics)
 
 
 @dataclass
-class _Counts:
-    """The boolean masks the metrics count ([B, T] tokens, [B] sequences)."""
+class RowVerdict:
+    """What the correction decides for each sequence on its own ([B, T] tokens, [B] sequences): every rule, the
+    weights before batch normalisation. No batch statistic enters it, so rows judged in different calls (the rounds
+    of dynamic sampling) can be selected and joined (`take`) and finished as one batch (`batch_correction`)."""
 
     orig: Tensor
     valid: Tensor
     keep: Tensor
-    seq_kept: Tensor
     nonfinite_seq: Tensor
     veto_token: Tensor
     vetoed_seq: Tensor
@@ -265,10 +280,37 @@ class _Counts:
     above: Tensor
     below: Tensor
     rule_rejects: dict[str, Tensor]
+    xi: Tensor  # the clamped token ratio (1 outside `valid`)
+    weights: Tensor  # before batch normalisation (0 outside `valid`)
+
+    @property
+    def seq_kept(self) -> Tensor:
+        """[B] True where the sequence keeps at least one token."""
+        return self.keep.any(dim=-1)
+
+    @staticmethod
+    def take(parts: "list[tuple[RowVerdict, list[int]]]", width: int) -> "RowVerdict":
+        """The rows `rows` of each verdict, in order, joined into one of `width` token columns (the batch's longest
+        response: what judging them together would have padded to)."""
+        def pick(name: str, tensors: list[Tensor]) -> Tensor:
+            pad = 1.0 if name == "xi" else 0
+            cols = [t if t.dim() == 1 else torch.nn.functional.pad(t[:, :width], (0, max(0, width - t.shape[1])),
+                                                                   value=pad) for t in tensors]
+            return torch.cat(cols)
+
+        chosen = [(v, torch.tensor(rows, dtype=torch.long)) for v, rows in parts]
+        fields = {}
+        for f in dataclasses.fields(RowVerdict):
+            if f.name == "rule_rejects":
+                fields[f.name] = {k: pick(k, [v.rule_rejects[k].index_select(0, i) for v, i in chosen])
+                                  for k in (chosen[0][0].rule_rejects if chosen else {})}
+            else:
+                fields[f.name] = pick(f.name, [getattr(v, f.name).index_select(0, i) for v, i in chosen])
+        return RowVerdict(**fields)
 
 
-def _correction_metrics(c: _Counts, xi: Tensor, raw_weights: Tensor, weights: Tensor,
-                        norm_factor: Tensor) -> dict[str, float]:
+def _correction_metrics(c: RowVerdict, weights: Tensor, norm_factor: Tensor) -> dict[str, float]:
+    xi, raw_weights = c.xi, c.weights
     f = xi.dtype
     has_tokens = c.orig.any(dim=-1)
     n_seqs = has_tokens.sum().to(f)

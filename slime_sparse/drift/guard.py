@@ -32,9 +32,9 @@ from slime_sparse.drift.stats import ALARM_PROBES, Arm, Streak, compressed_after
 from slime_sparse.flags import flag_for
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.kv.schedule import never_compresses
-from slime_sparse.pipeline import assign_rewards, to_samples
 from slime_sparse.preflight import warn
 from slime_sparse.rollout.base import KVView
+from slime_sparse.rollout.pipeline import assign_rewards, to_samples
 from slime_sparse.rollout.sampling import derive_seed
 
 PROBE_STREAM = -(1 << 40)  # derive_seed index of a probe's seed: no rollout round draws from it

@@ -17,6 +17,14 @@ from torch import Tensor
 from .config import KVCompressConfig
 
 
+def needs_queries(method, has_mass: bool) -> bool:
+    """Whether scoring `method` (a KV method: its `needs_queries` / `tracks_mass` traits) reads the sequence's last
+    observed queries: it scores with them, or it scores with the attention mass and the engine tracks none
+    (`has_mass` False: the mass is then taken from the queries). The one statement of the rule (the engine's
+    compressor asks it too)."""
+    return method.needs_queries or (method.tracks_mass and not has_mass)
+
+
 def check_inputs(
     cfg: KVCompressConfig, keys: Tensor, queries: Tensor, values: Tensor | None, attn_mass: Tensor | None
 ) -> None:
@@ -35,8 +43,7 @@ def check_inputs(
         raise ValueError(f"queries hold {w} tokens, more than --kv-window={cfg.window}")
     if w > n:
         raise ValueError(f"queries hold {w} tokens but the cache only {n}")
-    needs_queries = cfg.traits.needs_queries or (cfg.traits.tracks_mass and attn_mass is None)
-    if needs_queries and w == 0:
+    if needs_queries(cfg.traits, has_mass=attn_mass is not None) and w == 0:
         raise ValueError(f"--kv-method={cfg.method} needs at least one observed query, got w=0")
     if values is not None and values.shape[:-1] != keys.shape[:-1]:
         raise ValueError(f"values shape {tuple(values.shape)} does not match keys shape {tuple(keys.shape)}")

@@ -38,13 +38,14 @@ class RolloutPlan:
 @dataclass
 class RolloutFnTrainOutput:
     """A rollout function's train output: slime's `samples` (whole groups, rewards set) and `metrics` (logged with
-    the rollout's), and ours: `plan` (None: the run's) and `old_logprobs`, the dense pi_old of each sample in
-    group order when the function computed it (None: the pipeline computes it)."""
+    the rollout's), and ours: `plan` (None: the run's) and `correction`, the `rollout.pipeline.RolloutCorrection`
+    of the samples in group order when the function judged them (`correct`: pi_old and the verdict its filters read,
+    which the batch then trains with; None: the pipeline judges them, once, when it builds the batch)."""
 
     samples: list[list[Sample]]
     metrics: dict[str, float] | None = None
     plan: RolloutPlan | None = None
-    old_logprobs: list[Any] | None = None
+    correction: Any = None
 
 
 def call_rollout_fn(fn: Callable, cfg, rollout_id: int, data_source) -> RolloutFnTrainOutput:

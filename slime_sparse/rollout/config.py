@@ -15,7 +15,7 @@ from slime_sparse.utils.imports import load_function
 ROLLOUT_ENGINES = ("embedded", "sglang")
 # our former estimator name, kept as a spelling of slime's --disable-grpo-std-normalization
 DR_GRPO = "dr_grpo"
-DEFAULT_ROLLOUT_FUNCTION = "slime_sparse.rollout_fn.generate_rollout"
+DEFAULT_ROLLOUT_FUNCTION = "slime_sparse.rollout.sparse_rollout.generate_rollout"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@ train batch. Pure functions over `Sample`s, shared by every engine.
 
 A filter is `fn(cfg, samples, **kwargs) -> DynamicFilterOutput | bool`, called once per group (the
 --n-samples-per-prompt samples of one prompt, rewards assigned and `Sample.rejected` set by the sparsity
-correction); `cfg` is the run config (slime passes its args). The loop in `slime_sparse.train` draws
+correction: `rollout.pipeline.correct`, whose verdict the batch then trains with); `cfg` is the run config (slime
+passes its args). The default rollout function (`rollout.sparse_rollout`) draws
 --over-sampling-batch-size prompts in its first round (later ones: `round_size`) and judges their groups in stream
 order with `select_groups` until the batch holds --rollout-batch-size kept groups; the groups it did not need go
 back to the prompt stream.
@@ -56,6 +57,13 @@ def check_reward_nonzero_std_with_fallback(cfg: Any, samples: list[Sample], **kw
 
 
 def check_min_kept_samples(cfg: Any, samples: list[Sample], **kwargs: Any) -> DynamicFilterOutput:
+    if any(s.rejected is None for s in samples):  # never a silent keep-all: the verdict was not taken
+        raise ValueError(f"{FILTER_FLAG} check_min_kept_samples reads the sparsity correction's verdict on each sample "
+                         "(Sample.rejected), but the group of prompt index "
+                         f"{samples[0].prompt_index} was not judged: the rollout function (--rollout-function-path) "
+                         "must call slime_sparse.rollout.pipeline.correct on a round's samples before its filters, and "
+                         "hand the result on in RolloutFnTrainOutput.correction (the default, "
+                         "slime_sparse.rollout.sparse_rollout.generate_rollout, does)")
     kept = sum(not s.rejected for s in samples)
     keep = kept >= cfg.rollout.dynamic_sampling_min_kept_samples
     return DynamicFilterOutput(keep=keep, reason=None if keep else "few_kept")

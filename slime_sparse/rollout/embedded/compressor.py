@@ -27,6 +27,7 @@ from slime_sparse.kv import KVCompressConfig, choose_slots, shares_selection
 from slime_sparse.kv import engine_memory
 from slime_sparse.kv.engine_memory import EntryShape, compaction_chunks
 from slime_sparse.kv.record import keep_bits, pack_rows
+from slime_sparse.kv.scoring import needs_queries
 
 from .cache import BudgetKVCache
 from .step import CapturedGraphs
@@ -48,7 +49,7 @@ class Compressor:
         self.workspace_bytes = workspace_bytes  # None: engine_memory.COMPACTION_WORKSPACE_BYTES when a call runs
         self.entry_shape = EntryShape.of_cache(cache)
         self.scorer = kv.scorer
-        self.uses_queries = self.scorer.needs_queries or (self.scorer.tracks_mass and cache.mass is None)
+        self.uses_queries = needs_queries(self.scorer, has_mass=cache.mass is not None)
         shared_heads, shared_layers = shares_selection(kv)
         # what the eviction record stores: (layers, heads, largest budget), and the budgets when they differ
         self.record_shape = (1 if shared_layers else cache.num_layers, 1 if shared_heads else cache.num_kv_heads,

@@ -1,8 +1,12 @@
-"""From rollout samples to training batches: rewards -> advantages -> dense recompute -> correction.
+"""From rollout samples to training batches: rewards -> pi_old and the correction's verdict -> advantages -> batch.
 
 The steps every backend combination shares, as small functions over plain data. The rollout function
-(`slime_sparse.rollout_fn`) and the training loop (`slime_sparse.train`) string them together; learners and
-engines stay unaware of each other.
+(`slime_sparse.rollout.sparse_rollout`) and the training loop (`slime_sparse.train`) string them together; learners
+and engines stay unaware of each other.
+
+The sparsity correction is judged once per sample (`correct`, a `RolloutCorrection`): the dynamic-sampling filters
+read its verdict (`Sample.rejected`) and `prepare_rollout` trains with the same rows, adding only what depends on the
+whole batch (the weights' normalisation, the metrics: `algo.correction.batch_correction`).
 """
 from __future__ import annotations
 
@@ -14,14 +18,16 @@ import torch
 from slime_sparse.algo import (
     AdvantageSpec,
     CorrectionConfig,
+    RowVerdict,
+    batch_correction,
     compute_advantages,
-    grpo_advantages,
+    judge_rows,
     kv_metrics,
     mismatch_metrics,
     mismatch_split_metrics,
     shadow_metrics,
-    sparsity_correction,
 )
+from slime_sparse.algo.advantages import group_baseline_advantages
 from slime_sparse.backends.base import TrainBatch
 from slime_sparse.backends.logprobs import pad_right, response_mask
 from slime_sparse.rollout.base_types import RolloutPlan
@@ -78,14 +84,56 @@ def sampler_logprobs(samples: list[Sample]) -> torch.Tensor:
                      dtype=torch.float32)
 
 
-def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig, *,
-                   plan: RolloutPlan = RolloutPlan()) -> list[torch.Tensor] | None:
-    """Dense pi_old of `samples`' response tokens; also marks each sample the sparsity correction rejects whole
-    (`Sample.rejected`, what dynamic-sampling filters read: it depends on its own group only). Under shadow / smd
-    (`plan.trains_shadow`) nothing is rejected (the PPO term trains the sampler's own policy).
+def train_mask(samples: list[Sample], plan: RolloutPlan) -> tuple[torch.Tensor, float | None]:
+    """[B, T] the response tokens that train, and (--mask-offpolicy-in-partial-rollout, slime's: only a continued
+    sample's last stretch trains) the fraction of response tokens that rule masked (None: off)."""
+    mask = response_mask([len(s.response_ids) for s in samples])
+    if not plan.mask_offpolicy:
+        return mask, None
+    last = torch.tensor([s.segments[-1][0] if s.segments else 0 for s in samples])
+    offpolicy = torch.arange(mask.shape[1])[None, :] < last[:, None]
+    frac = float((offpolicy & (mask > 0)).sum() / mask.sum())
+    return mask.masked_fill(offpolicy, 0), frac
 
-    None, and no forward, when nothing needs pi_old: under --correction-bypass-mode with no rejection rule on a
-    rollout without the mismatch split (`plan.mismatch_split`); only the non-finite rule then rejects."""
+
+def opsm_advantages(samples: list[Sample], spec: AdvantageSpec) -> torch.Tensor:
+    """The advantages OPSM (--correction-opsm-delta) reads the sign of: before the batch whitening
+    (--normalize-advantages), so each depends on its own group only and a filter judging a round sees the verdict
+    that trains. Without whitening they are the trained advantages themselves."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    group_ids = torch.tensor([s.prompt_index for s in samples], dtype=torch.long)
+    return group_baseline_advantages(rewards, group_ids, spec.estimator, spec.std_normalization)[0]
+
+
+@dataclass
+class RolloutCorrection:
+    """pi_old and the sparsity correction's verdict on samples, judged once (`correct`): what the dynamic-sampling
+    filters read and what `prepare_rollout` trains with. A rollout function hands it on in
+    `RolloutFnTrainOutput.correction` (rows in the order of its groups' samples)."""
+
+    old: list[torch.Tensor] | None  # the dense pi_old of each sample; None: not needed (bypass, xi = 1)
+    verdict: RowVerdict
+
+    def __len__(self) -> int:
+        return self.verdict.keep.shape[0]
+
+    @staticmethod
+    def take(parts: "list[tuple[RolloutCorrection, list[int]]]", width: int) -> "RolloutCorrection":
+        """The rows `rows` of each part, in order (the groups a rollout keeps from its rounds); `width`: the
+        longest response among them."""
+        old = None if any(p.old is None for p, _ in parts) else [p.old[i] for p, rows in parts for i in rows]
+        return RolloutCorrection(old=old, verdict=RowVerdict.take([(p.verdict, rows) for p, rows in parts], width))
+
+
+def correct(samples: list[Sample], learner, correction: CorrectionConfig, *,
+            advantage_spec: AdvantageSpec = AdvantageSpec(), plan: RolloutPlan = RolloutPlan()) -> RolloutCorrection:
+    """The one correction call of `samples`: their dense pi_old and the correction's verdict on each (every rule;
+    `judge_rows`), and `Sample.rejected` set from it (what dynamic-sampling filters read). Under shadow / smd
+    (`plan.trains_shadow`) nothing is rejected (the PPO term trains the sampler's own policy); the verdict is still
+    taken, for the metrics (what sparse_rl would have rejected).
+
+    No forward when nothing needs pi_old: under --correction-bypass-mode with no rejection rule on a rollout without
+    the mismatch split (`plan.mismatch_split`); only the non-finite rule then rejects (xi = 1)."""
     tokens = [s.prompt_ids + s.response_ids for s in samples]
     response_lens = [len(s.response_ids) for s in samples]
     if min(response_lens) == 0:
@@ -93,17 +141,11 @@ def dense_logprobs(samples: list[Sample], learner, correction: CorrectionConfig,
     old = learner.compute_logprobs(tokens, response_lens) if correction.needs_dense or plan.mismatch_split else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)  # xi = 1: judges finiteness
-    # OPSM reads only the advantages' signs: those of R - group mean, which the std normalisation (and RLOO's
-    # factor) do not change; under the whitened estimators the final sign may differ (prepare_rollout uses it)
-    advantages = None
-    if correction.opsm_delta is not None:
-        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-        advantages = grpo_advantages(rewards, torch.tensor([s.prompt_index for s in samples]), normalize_std=False)[0]
-    kept = sparsity_correction(logp_old, logp_sparse, response_mask(response_lens), correction,
-                               advantages=advantages).seq_kept
-    for s, k in zip(samples, kept.tolist()):
+    advantages = opsm_advantages(samples, advantage_spec) if correction.opsm_delta is not None else None
+    verdict = judge_rows(logp_old, logp_sparse, train_mask(samples, plan)[0], correction, advantages=advantages)
+    for s, k in zip(samples, verdict.seq_kept.tolist()):
         s.rejected = not plan.trains_shadow and not k
-    return old
+    return RolloutCorrection(old=old, verdict=verdict)
 
 
 def shadow_records(samples: list[Sample], trains_shadow: bool) -> list | None:
@@ -154,14 +196,16 @@ def prepare_rollout(
     *,
     advantage_spec: AdvantageSpec = AdvantageSpec(),
     need_ref: bool = False,
-    old: list[torch.Tensor] | None = None,
+    corrected: RolloutCorrection | None = None,
     plan: RolloutPlan = RolloutPlan(),
 ) -> PreparedRollout:
-    """Advantages (`advantage_spec`: --advantage-estimator ...), dense pi_old (unless given: the rollout function has
-    it from `dense_logprobs`) and pi_ref recompute, and the sparsity correction over the whole train batch.
+    """Advantages (`advantage_spec`: --advantage-estimator ...), pi_ref, and the sparsity correction over the whole
+    train batch: `corrected` (the rollout function's `correct` of these samples, in this order) finished over the
+    batch (the weights' normalisation, the metrics); None: `correct` is called here (--async, where pi_old waits for
+    the learner's weights of the step that trains it, or a rollout function that returns none).
 
-    The correction (incl. batch normalisation of weights) is computed once per rollout, over all of its samples,
-    before the optimizer steps: its inputs (pi_old, pi_sparse, the advantages OPSM reads) do not change during them.
+    The correction is computed once per rollout, before the optimizer steps: its inputs (pi_old, pi_sparse, the
+    advantages OPSM reads) do not change during them.
 
     --correction-bypass-mode: the PPO anchor is the sampler's own log-prob (no weights); the dense pi_old is
     computed only when a rejection rule reads it or the mismatch split is due.
@@ -187,18 +231,18 @@ def prepare_rollout(
     response_lens = [len(s.response_ids) for s in samples]
     shadow = shadow_records(samples, plan.trains_shadow)
     on_shadow = {} if shadow is None else {"shadow": shadow}  # a sparse_rl learner need not know the keyword
-    if old is None:
-        old = dense_logprobs(samples, learner, correction, plan=plan)
+    if corrected is None:
+        corrected = correct(samples, learner, correction, advantage_spec=advantage_spec, plan=plan)
+    elif len(corrected) != len(samples):
+        raise ValueError(f"the rollout's correction judged {len(corrected)} samples, its batch holds {len(samples)}")
+    old = corrected.old
     ref = learner.compute_logprobs(tokens, response_lens, ref=True, **on_shadow) if need_ref else None
     logp_sparse = sampler_logprobs(samples)
     logp_old = logp_sparse if old is None else pad_right(old, 0.0, dtype=torch.float32)
-    mask = response_mask(response_lens)
-    if plan.mask_offpolicy:  # slime's --mask-offpolicy-in-partial-rollout: only the last stretch is trained
-        last = torch.tensor([s.segments[-1][0] if s.segments else 0 for s in samples])
-        offpolicy = torch.arange(mask.shape[1])[None, :] < last[:, None]
-        adv_metrics["rollout/offpolicy_masked_frac"] = float((offpolicy & (mask > 0)).sum() / mask.sum())
-        mask = mask.masked_fill(offpolicy, 0)
-    corr = sparsity_correction(logp_old, logp_sparse, mask, correction, advantages=advantages)
+    mask, offpolicy_frac = train_mask(samples, plan)
+    if offpolicy_frac is not None:
+        adv_metrics["rollout/offpolicy_masked_frac"] = offpolicy_frac
+    corr = batch_correction(corrected.verdict, correction)
     bounds = correction.diagnostic_bounds()
 
     metrics = {**adv_metrics, **kv_metrics([s.kv for s in samples])}
