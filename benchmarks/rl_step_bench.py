@@ -50,7 +50,7 @@ from slime_sparse.planner.step_memory import StepSpec, phase_peaks, plan_step  #
 from slime_sparse.utils.model_shape import ModelShape  # noqa: E402
 from slime_sparse.tasks.fixed_length import write_prompts  # noqa: E402
 from slime_sparse.tasks.tokenizer import build_char_tokenizer, save_tokenizer  # noqa: E402
-from slime_sparse.train import run_rollout, train_rollout  # noqa: E402
+from slime_sparse.run import run_rollout, train_rollout  # noqa: E402
 from slime_sparse.utils.seed import set_seed  # noqa: E402
 
 from benchmarks.phase_clock import CLOCKS, PhaseClock, timed_components  # noqa: E402
