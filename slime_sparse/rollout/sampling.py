@@ -8,6 +8,7 @@ recomputes pi_old with the same formula (dense context, same temperature), so th
 """
 from __future__ import annotations
 
+import logging
 import math
 import struct
 from dataclasses import dataclass, field
@@ -16,9 +17,14 @@ import torch
 from torch import Tensor
 
 from slime_sparse.rollout import sampling_kernel
+from slime_sparse.rollout.counter_hash import GOLDEN as _GOLDEN
+from slime_sparse.rollout.counter_hash import MIX1 as _MIX1
+from slime_sparse.rollout.counter_hash import MIX2 as _MIX2
+from slime_sparse.rollout.counter_hash import VOCAB_STEP as _VOCAB_STEP
 from slime_sparse.utils.lm_head import tempered_log_softmax
 
 _MASK64 = (1 << 64) - 1
+_logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,13 +108,6 @@ def truncate(tempered: Tensor, params: SamplingParams) -> Tensor:
     return apply_top_p(apply_top_k(tempered, params.top_k), params.top_p)
 
 
-def _signed(c: int) -> int:
-    """A 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-_GOLDEN, _MIX1, _MIX2, _VOCAB_STEP = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB,
-                                                           0xD1B54A32D192ED03))
 
 
 def _mix(z: Tensor) -> Tensor:
@@ -199,7 +198,7 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
     the sample's key, the token's index and the vocabulary id only. One pass over the vocabulary: the tempered logits
     feed both the recorded log-softmax and the draw (no softmax, no cumulative sum); top-k / top-p only mask what may
     be drawn. Free of host synchronisation and data-dependent Python, so a CUDA graph or torch.compile(fullgraph=True)
-    can hold it. On CUDA, once `sampling_kernel.enable` has checked it (or given `kernel`, its `build()`), the draw and
+    can hold it. On CUDA, once `enable_kernel` has checked it (or given `kernel`, its `build()`), the draw and
     the log-prob are one Triton kernel that reads the logits once.
     """
     if params.greedy:
@@ -221,3 +220,32 @@ def sample_tokens(logits: Tensor, params: SamplingParams, keys: Tensor | None = 
         noise = (gumbel_noise_op if torch.compiler.is_compiling() else gumbel_noise)(streams, tempered.shape[-1])
         tokens = torch.argmax((truncate(tempered, params) if truncates else tempered) + noise, dim=-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def enable_kernel(device: torch.device) -> bool:
+    """Build the kernel and use it for CUDA sampling from now on, if it reproduces the torch path's draws on
+    `device` (tokens equal where no two scores are within float rounding, log-probs to 1e-5); False, with a warning
+    naming what went wrong, otherwise."""
+    if sampling_kernel._KERNEL is not None or device.type != "cuda":
+        return sampling_kernel._KERNEL is not None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    try:
+        kernel = sampling_kernel.build()
+        gen = torch.Generator().manual_seed(0)
+        logits = (torch.randn(64, 3001, generator=gen) * 4).to(device)
+        keys, counters = torch.randint(0, 2**62, (64,), generator=gen).to(device), torch.arange(64, device=device)
+        for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=50, top_p=0.9)):
+            want, want_logp = sample_tokens(logits, params, keys, counters)  # the torch path: _KERNEL is None
+            got, got_logp = sample_tokens(logits, params, keys, counters, kernel=kernel)
+            same = got == want
+            agree, err = float(same.float().mean()), float((got_logp - want_logp)[same].abs().max())
+            if not (agree >= 0.95 and err <= 1e-5):
+                raise RuntimeError(f"{params}: {agree:.0%} of the tokens agree, log-prob error {err:.2g}")
+    except Exception as exc:  # a kernel that does not build or agree here: keep the torch path
+        _logger.warning("sampling: the Triton Gumbel kernel is not used: %s: %s", type(exc).__name__, exc)
+        return False
+    sampling_kernel.install(kernel)
+    return True

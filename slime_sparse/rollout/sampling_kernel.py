@@ -18,14 +18,14 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 BLOCK_V = 1024
-_KERNEL = None  # set by `enable` on a device where the kernel builds and agrees with the torch path
+_KERNEL = None  # set by `sampling.enable_kernel` on a device where the kernel builds and agrees with the torch path
 
 
 def build():
     import triton
     import triton.language as tl
 
-    from .sampling import _MIX1, _MIX2, _VOCAB_STEP
+    from .counter_hash import MIX1 as _MIX1, MIX2 as _MIX2, VOCAB_STEP as _VOCAB_STEP
 
     @triton.jit
     def gumbel_kernel(logits_ptr, trunc_ptr, stream_ptr, token_ptr, logp_ptr, temperature, vocab, s_logits, s_trunc,
@@ -97,33 +97,7 @@ def enabled(logits: Tensor) -> bool:
     return _KERNEL is not None and logits.device.type == "cuda"
 
 
-def enable(device: torch.device) -> bool:
-    """Build the kernel and use it for CUDA sampling from now on, if it reproduces the torch path's draws on
-    `device` (tokens equal where no two scores are within float rounding, log-probs to 1e-5); False, with a warning
-    naming what went wrong, otherwise."""
+def install(kernel) -> None:
+    """Use `kernel` (a `build()`) for CUDA sampling from now on (`sampling.enable_kernel` checks it first)."""
     global _KERNEL
-    if _KERNEL is not None or device.type != "cuda":
-        return _KERNEL is not None
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    from .sampling import SamplingParams, sample_tokens
-
-    try:
-        kernel = build()
-        gen = torch.Generator().manual_seed(0)
-        logits = (torch.randn(64, 3001, generator=gen) * 4).to(device)
-        keys, counters = torch.randint(0, 2**62, (64,), generator=gen).to(device), torch.arange(64, device=device)
-        for params in (SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=50, top_p=0.9)):
-            want, want_logp = sample_tokens(logits, params, keys, counters)  # the torch path: _KERNEL is None
-            got, got_logp = sample_tokens(logits, params, keys, counters, kernel=kernel)
-            same = got == want
-            agree, err = float(same.float().mean()), float((got_logp - want_logp)[same].abs().max())
-            if not (agree >= 0.95 and err <= 1e-5):
-                raise RuntimeError(f"{params}: {agree:.0%} of the tokens agree, log-prob error {err:.2g}")
-    except Exception as exc:  # a kernel that does not build or agree here: keep the torch path
-        logger.warning("sampling: the Triton Gumbel kernel is not used: %s: %s", type(exc).__name__, exc)
-        return False
     _KERNEL = kernel
-    return True

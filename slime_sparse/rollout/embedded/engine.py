@@ -28,10 +28,9 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, engine_memory, layer_budgets, row_capacity, trigger
-from slime_sparse.rollout import sampling_kernel
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
-from slime_sparse.rollout.sampling import SamplingParams, derive_seed
+from slime_sparse.rollout.sampling import SamplingParams, derive_seed, enable_kernel
 from slime_sparse.types import GenerationOutput
 from slime_sparse.utils.device import check_memory_size, free_memory_bytes
 from slime_sparse.utils.hf import load_model
@@ -130,7 +129,7 @@ class EmbeddedEngine:
         self.head_weight = hf_head_weight(self.model)  # the tensor itself: update_weights copies into it in place
         self.decode_attention = pick_decode_attention(decode_attention, self.device)
         self._decode_body, self.decode_body_reason = (None, "hf_decode=True") if hf_decode else build_body(self.model)
-        self.fused_sampler = sampling_kernel.enable(self.device)  # CUDA: the one-kernel sampler, if it checks out
+        self.fused_sampler = enable_kernel(self.device)  # CUDA: the one-kernel sampler, if it checks out
         self.fp32_lm_head = fp32_lm_head
         if mem_fraction is not None:  # read once, now: the weights are loaded, the rows are sized from what is left
             kv_cache_gib = mem_fraction * free_memory_bytes(self.device) / 2**30
