@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from slime_sparse.config import RolloutConfig, TrainConfig  # noqa: E402  (the trainer's defaults)
 from slime_sparse.kv import KVCompressConfig, row_capacity  # noqa: E402
-from slime_sparse.kv.engine_memory import KV_PART, engine_bytes  # noqa: E402
+from slime_sparse.kv.engine_memory import KV_PART, engine_bytes, runner_capacity  # noqa: E402
 from slime_sparse.kv.engine_memory import max_rows as engine_max_rows  # noqa: E402
 from slime_sparse.kv.engine_memory import row_bytes as engine_row_bytes  # noqa: E402
 from slime_sparse.planner.known_models import KNOWN_MODELS, known_config  # noqa: E402
@@ -283,7 +283,7 @@ def print_admission(args: argparse.Namespace, shape: ModelShape, kv: KVCompressC
           f"on a GPU with CUDA graphs, sampling at T=1):")
     print(f"{'':<14}{'rows':>8}{'KV + state GiB':>16}{'working sets GiB':>18}{'KV only: rows':>15}")
     for name, cfg in (("dense", KVCompressConfig()), (kv.method, kv)):
-        capacity = row_capacity(cfg, args.prompt_len + args.max_new_tokens)
+        capacity = runner_capacity(cfg, args.prompt_len + args.max_new_tokens, graphs=True)  # the engine's rounding
         spec = StepSpec(seqs=1, prompt_len=args.prompt_len, response_len=args.max_new_tokens, engine_rows=1,
                         kv_slots=capacity, dtype_bytes=b, kv=cfg).engine(shape)
         rows = engine_max_rows(spec, budget)

@@ -28,6 +28,7 @@ from slime_sparse.utils.model_shape import ModelShape
 
 from .config import KVCompressConfig
 from .methods.base import ScoreShape
+from .schedule import row_capacity, trigger
 from .selection import shares_selection
 
 # Temporaries one compaction call may hold at once beside its per-row results (the scores of every (layer, row) and
@@ -139,6 +140,22 @@ def compaction_bytes(kv: KVCompressConfig, shape: EntryShape, layers: int, rows:
 # Prompt tokens (rows x the widest chunk, padding included) one prefill forward takes at most: the scheduler prefills
 # the admitted prompts in groups of rows that fit (SGLang's --chunked-prefill-size), so a prefill's activations are a
 # constant, not a multiple of the rows.
+# Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
+# cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
+SPAN_GRANULARITY = 256
+
+
+def runner_capacity(kv: KVCompressConfig, longest: int, graphs: bool, max_positions: int | None = None) -> int:
+    """Slots per row the engine allocates for sequences of `longest` tokens: `row_capacity`, and with graphs (or a
+    compiled step) a row that never compresses rounded up to the span granularity, so that calls of similar lengths
+    share one runner (at most the model's positions)."""
+    capacity = row_capacity(kv, longest)
+    if graphs and (not kv.enabled or capacity < trigger(kv)):
+        capacity = -(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY
+        capacity = capacity if max_positions is None else min(capacity, max_positions)
+    return capacity
+
+
 PREFILL_TOKENS = 8192
 FIRST_TOKEN_ROWS = 64  # rows whose first tokens are sampled at once from their prompts' logits
 

@@ -44,7 +44,7 @@ from .prompts import LONG_PROMPT_POLICIES, check_prompts
 from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
-from .step import SPAN_GRANULARITY, STEP_MODES
+from .step import STEP_MODES
 from .table import GenerateStats
 from .weights import copy_weights
 
@@ -260,9 +260,7 @@ class EmbeddedEngine:
         granularity (graphs read spans of that granularity anyway), so that calls of similar lengths share one
         runner."""
         mode = "eager" if self.kv_trace is not None else self.step_mode  # tracing reads the cache after every forward
-        capacity = row_capacity(kv, longest)
-        if mode != "eager" and (not kv.enabled or capacity < trigger(kv)):
-            capacity = min(-(-capacity // SPAN_GRANULARITY) * SPAN_GRANULARITY, self.model.config.max_position_embeddings)
+        capacity = engine_memory.runner_capacity(kv, longest, mode != "eager", self.model.config.max_position_embeddings)
         spec = self.memory_spec(kv, capacity, prompt, params, mode)
         return RunnerShape(kv, min(self.max_rows(spec), sequences), capacity, mode, self.readback_interval)
 

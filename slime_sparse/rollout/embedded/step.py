@@ -19,6 +19,7 @@ from typing import Callable, Hashable
 import torch
 from torch import Tensor, nn
 
+from slime_sparse.kv.engine_memory import SPAN_GRANULARITY
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
 from .attention import CACHE_KWARG
@@ -31,9 +32,6 @@ NO_MASK = None
 # cuda_graph_compile: the step compiled by inductor (its own cudagraphs off) and captured in our graphs (SGLang's
 # torch.compile + hand-captured graphs): kernels fused and launched from one graph replay
 STEP_MODES = ("eager", "compile", "cuda_graph", "cuda_graph_compile")
-# Captured or compiled steps read each layer's slots in multiples of this (the largest fill rounded up): a dense
-# cache grows by one slot a step, and a shape of its own per step would mean a graph per step.
-SPAN_GRANULARITY = 256
 
 
 @dataclass
