@@ -27,7 +27,7 @@ from slime_sparse.algo.correction import CorrectionConfig
 from slime_sparse.algo.loss import LossConfig
 from slime_sparse.backends.megatron.config import MegatronConfig  # no megatron-core import
 from slime_sparse.data.prompt_dataset import DataConfig
-from slime_sparse.drift.config import DriftConfig
+from slime_sparse.drift_config import DriftConfig
 from slime_sparse.flags import SECTION_PREFIXES, flag_for
 from slime_sparse.reward import RewardConfig
 from slime_sparse.kv.config import KVCompressConfig
