@@ -163,6 +163,11 @@ def test_composition_rules():
             check_composition(AdvantageSpec(name, whiten=name.startswith("reinforce")), LossConfig(), mis)
     with pytest.raises(ValueError, match="needs --normalize-advantages"):
         AdvantageSpec("reinforce_plus_plus_baseline").validate()
+    opsm = CorrectionConfig.from_preset("mis", opsm_delta=1e-4)  # OPSM reads the group-baseline sign
+    with pytest.raises(ValueError, match="--opsm-delta with --advantage-estimator=reinforce_plus_plus: .*no group"):
+        check_composition(AdvantageSpec("reinforce_plus_plus", whiten=True), LossConfig(), opsm)
+    for name in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        check_composition(AdvantageSpec(name, whiten=name.startswith("reinforce")), LossConfig(), opsm)
 
 
 class FixedLearner:

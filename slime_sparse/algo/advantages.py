@@ -80,7 +80,14 @@ def check_composition(spec: AdvantageSpec, loss, correction) -> None:
     token ratios. Token-level rejection (token masks, token_k* statistics) composes: a rejected token leaves the
     sequence's mean log-ratio and the loss alike, as in verl (where GSPO reads the mask after rejection).
     Every other estimator composes with every correction: advantages are per sequence and the correction acts on
-    the tokens under them."""
+    the tokens under them. OPSM reads the sign of each sample's advantage before whitening (its group-baseline form,
+    what the dynamic-sampling filters can know), so it needs a group baseline: REINFORCE++ has none (its sign is
+    that of the raw reward) and is refused with it."""
+    if correction.opsm_delta is not None and spec.estimator == "reinforce_plus_plus":
+        raise ValueError("--opsm-delta with --advantage-estimator=reinforce_plus_plus: OPSM masks sequences by the sign "
+                         "of their advantage before whitening, and REINFORCE++ has no group baseline (the sign would be "
+                         "the raw reward's, never negative for rewards >= 0); use reinforce_plus_plus_baseline, grpo or "
+                         "rloo, or leave --opsm-delta unset")
     if not spec.sequence_ratio:
         return
     if loss.loss_agg_mode != "seq-mean-token-mean":
