@@ -24,8 +24,8 @@ from slime_sparse.flags import flag_for
 from slime_sparse.preflight import start_warnings, warn
 from slime_sparse.resume import CONFIG_KEY, check_experiment, resume, resume_candidates
 from slime_sparse.reward import RewardFailure
-from slime_sparse.run import (Interrupted, Run, Stop, is_due, prepare_batch, read_summary,  # noqa: F401 (callers)
-                              run_rollout, start_guard, train_rollout, write_summary)
+from slime_sparse.run import (Run, Stop, is_due, read_summary, run_rollout, start_guard, train_rollout,
+                              write_summary)
 from slime_sparse.startup import StartupError, check_outputs, save_dir
 from slime_sparse.utils.checkpoint import read_trainer_state, tidy_save_dir
 from slime_sparse.utils.seed import set_seed

@@ -128,7 +128,7 @@ class _CountingLearner:
 def test_the_correction_is_computed_once_per_rollout(monkeypatch):
     """The default rollout function and the batch built from its output: one dense forward, one judgement of the
     rules, over one round's samples (the loop used to take both twice)."""
-    from slime_sparse.train import prepare_batch
+    from slime_sparse.run import prepare_batch
 
     calls = []
     real = pipeline.judge_rows
