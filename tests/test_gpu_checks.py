@@ -135,6 +135,7 @@ def _targets_module():
     try:
         spec = importlib.util.spec_from_file_location("gpu_targets", TOOLS / "gpu_targets.py")
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses resolve string annotations through the module's entry
         spec.loader.exec_module(module)
         return module
     finally:
