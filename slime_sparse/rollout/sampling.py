@@ -25,6 +25,7 @@ from slime_sparse.utils.lm_head import tempered_log_softmax
 
 _MASK64 = (1 << 64) - 1
 _logger = logging.getLogger(__name__)
+_KERNEL_REFUSED = False  # enable_kernel found the kernel unusable in this process
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,10 @@ def enable_kernel(device: torch.device) -> bool:
     """Build the kernel and use it for CUDA sampling from now on, if it reproduces the torch path's draws on
     `device` (tokens equal where no two scores are within float rounding, log-probs to 1e-5); False, with a warning
     naming what went wrong, otherwise."""
-    if sampling_kernel._KERNEL is not None or device.type != "cuda":
+    global _KERNEL_REFUSED
+    if sampling_kernel._KERNEL is not None or device.type != "cuda" or _KERNEL_REFUSED:
         return sampling_kernel._KERNEL is not None
+    _KERNEL_REFUSED = True  # until the check below passes: a process builds and checks the kernel once
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -248,4 +251,5 @@ def enable_kernel(device: torch.device) -> bool:
         _logger.warning("sampling: the Triton Gumbel kernel is not used: %s: %s", type(exc).__name__, exc)
         return False
     sampling_kernel.install(kernel)
+    _KERNEL_REFUSED = False
     return True

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from slime_sparse.kv import KVCompressConfig, engine_memory
-from slime_sparse.rollout.sampling import SamplingParams, enable_kernel, sample_tokens
+from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 from slime_sparse.utils.model_shape import ModelShape
 
 from .arena import new_arena
@@ -66,7 +66,6 @@ class ModelRunner:
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1, zeros=self.arena.zeros)
         self.cache.decode_backend = decode_attention
-        enable_kernel(device)  # on CUDA: the one-kernel sampler, if it builds and agrees with the torch path
         self.state = DecodeState.allocate(shape.rows, shape.readback, device)
         self.graphs = CapturedGraphs() if shape.mode.startswith("cuda_graph") else None
         self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs, decode_body)
