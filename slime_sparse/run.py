@@ -148,7 +148,7 @@ class Run:
             self.no_gradient_warned = True
         for key, line in crossed_alarms(metrics):
             if key not in self.alarmed:
-                warn(f"rollout {step}: {line}; see the metrics list in README.md (each alarm shown once per run)")
+                warn(f"rollout {step}: {line}; see the metrics list in docs/metrics.md (each alarm shown once per run)")
                 self.alarmed.add(key)
         if step == 1:
             self.summary["first"] = metrics

@@ -223,19 +223,22 @@ def write_main(seeds: dict[int, dict], dense: dict | None, m: dict[str, str],
     cached = [r["cpu"] for s, r in seeds.items() if s != 1]  # the warm start already built
     problems = regime_problems(rows)
     where = f"{m['cpu']} ({m['cores']} cores, 1 thread per run), torch {m['torch']}"
-    write_block(TINY_README, "main-table", "```\n" + first["table"] + "\n```")
+    for path in (TINY_README, MAIN_README):  # the front door shows the same two blocks
+        write_block(path, "main-table", "```\n" + first["table"] + "\n```")
 
     def span(label: str, end: int) -> str:
         values = [rows[s][label][end] for s in MAIN_SEEDS]
         return f"{min(values):.2f}-{max(values):.2f}"
-    write_block(TINY_README, "main-seeds", "\n".join([
+    seeds_block = "\n".join([
         f"Seeds 1-3 (`-- --seed N`), start -> end (accuracies: first and last evaluation, 128 held-out prompts; the "
         f"rest: mean of the first and last quarter of the rollouts), on {where}:", "", seeds_table(rows), "",
         (f"Dense GRPO (`--variant dense`, seed 1): dense accuracy {dense[DENSE_ACC][0]:.3f} -> "
          f"{dense[DENSE_ACC][1]:.3f}, under R-KV {dense[SPARSE_ACC][0]:.3f} -> {dense[SPARSE_ACC][1]:.3f}. "
          if dense else "")
         + f"The regime's checks (`reproduce.py`): {'every seed meets all four' if not problems else '; '.join(problems)}."
-    ]))
+    ])
+    for path in (TINY_README, MAIN_README):
+        write_block(path, "main-seeds", seeds_block)
     write_block(TINY_README, "main-time", (
         f"Time of the first run (assets built from nothing): **{first['cpu']:.0f} s CPU**, {first['wall']:.0f} s wall; "
         f"the warm start {first['assets_cpu']:.0f} s CPU of it. With the warm start cached (seeds 2 and 3): "
