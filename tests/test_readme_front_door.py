@@ -78,3 +78,22 @@ def test_the_link_check_can_fail(tmp_path):
     found = [b.split(": ", 1)[1] for b in broken_links(page, tmp_path)]
     assert found == [f"{a}#nowhere", f"{c}#anything", "#the-sparsity-correction-slime_sparsealgocorrectionpy"]
 
+
+
+def test_reproduce_writes_the_same_blocks_into_both_readmes(tmp_path, monkeypatch):
+    """A regenerated table lands in the front door too: write_main from the stamped table, into copies."""
+    tiny, main = tmp_path / "tiny.txt", tmp_path / "main.txt"
+    tiny.write_text((ROOT / "examples" / "tiny_cpu" / "README.md").read_text(encoding="utf-8"))
+    main.write_text(readme())
+    monkeypatch.setattr(reproduce, "TINY_README", str(tiny))
+    monkeypatch.setattr(reproduce, "MAIN_README", str(main))
+    table = reproduce.read_block(tiny.read_text(), "main-table").strip().strip("`").strip()
+    changed = table.replace("0.914", "0.999", 1)  # a rerun that moved one digit
+    run = {"table": changed, "cpu": 200.0, "wall": 250.0, "assets_cpu": 100.0}
+    machine = {"cpu": "Some CPU", "cores": "2", "torch": "2.13.0+cpu", "date": "2026-01-01", "commit": "abc1234",
+               "load": "1.0 1.0 1.0"}
+    reproduce.write_main({1: run, 2: dict(run, cpu=80.0), 3: dict(run, cpu=81.0)}, None, machine)
+    for name in ("main-table", "main-seeds"):
+        assert reproduce.read_block(main.read_text(), name) == reproduce.read_block(tiny.read_text(), name), name
+    assert "0.999" in reproduce.read_block(main.read_text(), "main-table")
+    assert "Some CPU" in reproduce.read_block(main.read_text(), "main-seeds")
