@@ -6,7 +6,7 @@ import torch
 # Tiny tensors: one thread is fastest, and OpenMP spinning on shared cores costs seconds per test.
 torch.set_num_threads(1)
 # Triton kernels run on CPU tensors under Triton's interpreter, which is chosen when triton is imported: before any
-# test module imports it (tests/test_rkv_kernel.py).
+# test module imports it (tests/kv/kernels/test_rkv_kernel.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
