@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slime_sparse.algo import AdvantageSpec, CorrectionConfig, LossConfig, policy_loss, sparsity_correction
-from tests.algo.test_rollout_correction import knobs_of, run_against_oracle
+from tests.algo.test_correction import knobs_of, run_against_oracle
 
 ADV = torch.tensor([1.0, -0.5, 2.0, -1.0])
 LOGP = torch.tensor([-0.7, -1.2, -0.4, -2.1])
