@@ -306,8 +306,9 @@ def test_empty_masks_length_one_and_all_rejected(cfg):
 # ------------------------------------------------------------------------------------------------ fuzz
 @pytest.mark.parametrize("block", range(2))
 def test_fuzz_every_preset_and_mode_counts_its_rejections(block):
-    """tests/algo/test_fuzz_objective.py's adversarial batches (non-finite, huge, empty, length 1) through verl's presets
-    and the new levels / modes / OPSM: nothing non-finite out, every rejection counted, non-finite sequences out."""
+    """tests/algo/test_fuzz_objective.py's adversarial batches (non-finite, huge, empty, length 1) through verl's
+    presets and the new levels / modes / OPSM: nothing non-finite out, every rejection counted, non-finite sequences
+    out."""
     from tests.algo.test_fuzz_objective import adversarial_case, check_rejections_counted
 
     configs = [CorrectionConfig.from_preset(name) for name in VERL_PRESETS] + [

@@ -5,27 +5,16 @@ kv_trace (what each row held after every forward), independent of the record.
 """
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.backends.logprobs import response_logprobs
 from slime_sparse.kv import GRANULARITIES, KVCompressConfig
 from slime_sparse.kv.record import EvictionRecord, visible_positions
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine, KVTraceRecord
+from tests.helpers.shadow import PROMPTS, TINY, shadow_error, tiny_model
 
-TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256)
-# Prompt 0 is longer than budget + buffer: it is prefilled in chunks with compressions in between.
-PROMPTS = [list(range(20, 50)), [5, 17, 3, 9, 40], [11, 2], [7, 7, 8, 1, 60, 61, 62, 3, 4]]
 SAMPLE = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=40, ignore_eos=True)
 METHODS = ["snapkv", "rkv", "streaming", "h2o"]
-
-
-
-
-def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(**TINY)).eval()
 
 
 def kv_config(method: str, granularity: str) -> KVCompressConfig:
@@ -45,14 +34,11 @@ def test_shadow_recompute_equals_sampler_logprobs(method, granularity):
     model = tiny_model()
     outs, _ = generate(model, kv_config(method, granularity))
     assert all(o.evictions is not None and o.evictions.starts.numel() == o.kv.compressions for o in outs)
-    tokens = [o.prompt_ids + o.response_ids for o in outs]
-    lens = [len(o.response_ids) for o in outs]
+    assert shadow_error(model, outs, SAMPLE.temperature) < 1e-5
     sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
     with torch.no_grad():
-        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
-                                      shadow=[o.evictions for o in outs])
-        dense, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature)
-    assert (shadow - sampler).abs().max() < 1e-5
+        dense, _ = response_logprobs(model, [o.prompt_ids + o.response_ids for o in outs],
+                                     [len(o.response_ids) for o in outs], temperature=SAMPLE.temperature)
     assert (dense - sampler).abs().max() > 1e-2  # the cache did change what the sampler saw
 
 
@@ -82,13 +68,7 @@ def test_per_layer_budgets_keep_the_engine_exact(kv):
         ref = masked_reference_logprobs(model, traces[i], out.prompt_ids, out.response_ids, SAMPLE.temperature)
         assert torch.allclose(torch.tensor(out.logprobs), ref, atol=1e-5, rtol=0)
         assert out.evictions.layer_budgets == budgets or out.evictions.shape[0] == 1
-    tokens = [o.prompt_ids + o.response_ids for o in outs]
-    lens = [len(o.response_ids) for o in outs]
-    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
-    with torch.no_grad():
-        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
-                                      shadow=[o.evictions for o in outs])
-    assert (shadow - sampler).abs().max() < 1e-5
+    assert shadow_error(model, outs, SAMPLE.temperature) < 1e-5
 
 
 @pytest.mark.parametrize("method", ["keydiff", "streaming"])
@@ -111,13 +91,7 @@ def test_no_protected_window_keeps_the_engine_exact(method):
             recent = torch.arange(max(q - kv.window, 0), q)  # what a protected window keeps before q is written
             recent_dropped += int((~torch.isin(recent, rec.held_positions)).any())
     assert (recent_dropped > 0) == (method == "keydiff")
-    tokens = [o.prompt_ids + o.response_ids for o in outs]
-    lens = [len(o.response_ids) for o in outs]
-    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
-    with torch.no_grad():
-        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
-                                      shadow=[o.evictions for o in outs])
-    assert (shadow - sampler).abs().max() < 1e-5
+    assert shadow_error(model, outs, SAMPLE.temperature) < 1e-5
 
 
 @pytest.mark.parametrize("method", ["snapkv", "rkv"])
@@ -129,12 +103,7 @@ def test_samples_of_one_prompt_share_the_prefill_records(method):
     assert len({tuple(o.response_ids) for o in outs}) == 6  # different samples
     first = [o.evictions.kept_positions()[0] for o in outs[:3]]
     assert all(torch.equal(first[0], k) for k in first)  # the shared prefill's compression, in every record
-    with torch.no_grad():
-        shadow, _ = response_logprobs(model, [o.prompt_ids + o.response_ids for o in outs],
-                                      [len(o.response_ids) for o in outs], temperature=SAMPLE.temperature,
-                                      shadow=[o.evictions for o in outs])
-    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
-    assert (shadow - sampler).abs().max() < 1e-5
+    assert shadow_error(model, outs, SAMPLE.temperature) < 1e-5
 
 
 @pytest.mark.parametrize("method,granularity", [("rkv", "head"), ("snapkv", "layer"), ("h2o", "model")])

@@ -172,7 +172,7 @@ def test_a_stop_saves_the_last_finished_rollout_and_the_rerun_resumes_it_exactly
     never stopped, with no metrics line lost."""
     from tests.helpers import tiny_runs
 
-    stop = ("--dynamic-sampling-filter-path", "tiny_runs:signal_at", "--save-interval", "0")
+    stop = ("--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:signal_at", "--save-interval", "0")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert main(run_args(assets, straight, 3, *stop)) == 0
     tiny_runs.STOP_AT.update(prompt_index=4, signal=signal.SIGTERM)  # the first group of rollout 3 (2 prompts each)

@@ -25,7 +25,7 @@ def test_an_interrupt_after_the_first_evaluation_loses_no_evaluation(assets, tmp
     at 0 and rollout 1's checkpoint); the resume evaluates at 2 and 3 and keeps 0, and the first rollout's metrics."""
     run = tmp_path / "run"
     flags = run_args(assets, run, 3, "--eval-prompt-data", str(assets.test_path), "--eval-interval", "2",
-                     "--dynamic-sampling-filter-path", "tiny_runs:signal_at")
+                     "--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:signal_at")
     tiny_runs.STOP_AT.update(prompt_index=2, signal=signal.SIGINT)  # rollout 2's first group (2 prompts a rollout)
     assert main(flags) == 128 + signal.SIGINT
     stopped = summary(run)

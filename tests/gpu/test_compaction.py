@@ -16,8 +16,9 @@ import torch
 from slime_sparse.kv import KVCompressConfig, choose_slots
 from slime_sparse.kv.engine_memory import engine_bytes
 from slime_sparse.kv.methods.rkv import COSINE_EPS, KERNEL_ENV, newest_duplicate, rkv_redundancy
+from tests.helpers.gpu import CUDA_ONLY
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = CUDA_ONLY
 GIB = 1 << 30
 QWEN15B = dict(layers=28, heads=2, q_heads=12, head_dim=128)
 RKV = KVCompressConfig(method="rkv", budget=512, buffer=128, window=8)

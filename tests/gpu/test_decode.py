@@ -10,30 +10,17 @@ runs it): every way of running the step samples the same tokens.
 """
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout import SamplingParams, sampling_kernel
 from slime_sparse.rollout.embedded import EmbeddedEngine
+from tests.helpers.gpu import CUDA_ONLY, make_model, prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = CUDA_ONLY
 
-CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=1024)
 PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=96, ignore_eos=True)
 VARIANTS = [("cuda_graph", "sdpa", False), ("cuda_graph", "triton", False), ("eager", "triton", False),
             ("cuda_graph_compile", "triton", False), ("cuda_graph", "sdpa", True)]  # (mode, attention, HF modules)
-
-
-def make_model(dtype):
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to("cuda", dtype).eval()
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 2048, (int(torch.randint(8, 64, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 def engine(model, kv, mode, attention, hf):

@@ -10,29 +10,16 @@ Skipped without CUDA (CI has none); `tools/gpu_checks.sh` runs them on the devic
 """
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import slime_sparse.rollout.embedded.runner as runner_module
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout import SamplingParams
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.embedded.step import decode_shapes
+from tests.helpers.gpu import CUDA_ONLY, make_model, prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = CUDA_ONLY
 
-CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=1024)
-
-
-def make_model(dtype: torch.dtype):
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to("cuda", dtype).eval()
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 2048, (int(torch.randint(8, 64, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

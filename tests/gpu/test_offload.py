@@ -14,7 +14,6 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout import SamplingParams
@@ -22,24 +21,16 @@ from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.embedded.arena import FixedAddressArena
 from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.utils.cuda_vmm import FixedAddressBlock
+from tests.helpers.gpu import CUDA_ONLY, make_model, prompts
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = CUDA_ONLY
 
-CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-              num_key_value_heads=2, max_position_embeddings=1024)
 RKV = KVCompressConfig(method="rkv", budget=48, buffer=16, window=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=200, ignore_eos=True)
 
 
 def model():
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CONFIG)).to("cuda", torch.bfloat16).eval()
-
-
-def prompts(n: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(1, 2048, (int(torch.randint(8, 64, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return make_model(torch.bfloat16)
 
 
 def free_bytes() -> int:

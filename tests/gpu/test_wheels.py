@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+# the image's packages with what they require: the same closure as the SGLang stand-in's fresh venv
+from sglang_patches.import_audit import normalize, with_dependencies
+
 ROOT = Path(__file__).resolve().parents[2]
 
 RUN = r'''
@@ -64,32 +67,8 @@ def requirement_names(path: Path) -> set[str]:
     names = set()
     for line in path.read_text().splitlines():
         for word in line.split("#", 1)[0].split():
-            names.add(re.sub(r"[-_.]+", "-", word.split("==")[0]).lower())
+            names.add(normalize(word.split("==")[0]))
     return names
-
-
-def with_dependencies(names: set[str]) -> set[str]:
-    """`names` and, transitively, what their installed versions here require (extras aside): the image's packages
-    are other versions than this machine's (huggingface-hub 1.x there, 2.x here), whose own needs differ."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    out, todo = set(), list(names)
-    while todo:
-        name = todo.pop()
-        if name in out:
-            continue
-        out.add(name)
-        try:
-            requires = metadata.requires(name) or []
-        except metadata.PackageNotFoundError:
-            continue
-        for text in requires:
-            req = Requirement(text)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(re.sub(r"[-_.]+", "-", req.name).lower())
-    return out
 
 
 def test_the_wheel_list_is_pinned_and_fetched_as_listed():

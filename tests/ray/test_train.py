@@ -95,7 +95,7 @@ def test_ray_run_resumes_from_its_last_checkpoint(local_ray, assets, tmp_path):
 def test_dynamic_sampling_on_ray_keeps_the_embedded_runs_groups(local_ray, assets, tmp_path):
     """Over-sampling rounds of varying size go through the Ray rollout group like any rollout: the same groups are
     generated, dropped, put back and kept as in the single-process run."""
-    ds = ["--over-sampling-batch-size", "4", "--dynamic-sampling-filter-path", "tiny_runs:keep_even_positions"]
+    ds = ["--over-sampling-batch-size", "4", "--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:keep_even_positions"]
     local, on_ray = tmp_path / "local", tmp_path / "ray"
     assert main(run_args(assets, local, 2, *ds)) == 0
     assert main(run_args(assets, on_ray, 2, *ds, *RAY_FLAGS)) == 0

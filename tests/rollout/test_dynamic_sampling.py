@@ -121,7 +121,7 @@ def test_flags_parse_in_slime_spelling(assets, tmp_path):
             load_config(args(assets, tmp_path, 1, *bad))
 
 
-DS = ("--over-sampling-batch-size", "4", "--dynamic-sampling-filter-path", "tiny_runs:keep_even_positions")
+DS = ("--over-sampling-batch-size", "4", "--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:keep_even_positions")
 
 
 def data_state(run_dir, step):
@@ -153,7 +153,7 @@ def test_filtered_run_trains_on_full_batches_with_hand_counted_metrics(assets, t
 def test_a_second_round_fills_the_batch(assets, tmp_path):
     run = tmp_path / "run"
     assert main(args(assets, run, 2, "--over-sampling-batch-size", "3",
-                     "--dynamic-sampling-filter-path", "tiny_runs:keep_every_third")) == 0
+                     "--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:keep_every_third")) == 0
     # rollout 1: round 1 draws 0-2 (0 kept, 1 and 2 dropped); at a pass rate of 1/3 round 2 draws 3 prompts, 3-5:
     # 3 kept (batch full), 4 and 5 put back. Rollout 2: 4, 5 dropped, 6 kept; then 7, 8 dropped, 9 kept
     hand = [dict(generated=6, dropped=2, put_back=2, consumed=4), dict(generated=6, dropped=4, put_back=0, consumed=10)]
@@ -166,7 +166,7 @@ def test_a_second_round_fills_the_batch(assets, tmp_path):
 
 def test_bound_on_rounds_trains_on_what_it_kept_and_says_so(assets, tmp_path, caplog):
     run = tmp_path / "run"
-    extra = ("--over-sampling-batch-size", "2", "--dynamic-sampling-filter-path", "tiny_runs:keep_every_third",
+    extra = ("--over-sampling-batch-size", "2", "--dynamic-sampling-filter-path", "tests.helpers.tiny_runs:keep_every_third",
              "--dynamic-sampling-max-rounds", "1")
     with caplog.at_level("WARNING", logger="slime_sparse.train"):
         assert main(args(assets, run, 2, *extra)) == 0

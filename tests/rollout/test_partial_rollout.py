@@ -15,7 +15,7 @@ from slime_sparse.kv import KVCompressConfig
 from slime_sparse.rollout.embedded import EmbeddedEngine
 from slime_sparse.rollout.partial import PartialSpec
 from slime_sparse.rollout import SamplingParams
-from tests.backends.test_shadow_recompute import PROMPTS, tiny_model
+from tests.helpers.shadow import PROMPTS, shadow_error, tiny_model
 
 # stop ids the tiny random model hits now and then: samples end at different lengths, so a stop rule cuts some mid-way
 SAMPLE = SamplingParams(temperature=0.9, top_p=0.95, max_new_tokens=40, stop_token_ids=[5, 6, 7, 8], ignore_eos=True)
@@ -35,16 +35,6 @@ KVS = {
 
 def engine(model, kv, rows=3):
     return EmbeddedEngine(model, kv, max_batch_size=rows)
-
-
-def shadow_error(model, outs) -> float:
-    tokens = [o.prompt_ids + o.response_ids for o in outs]
-    lens = [len(o.response_ids) for o in outs]
-    sampler = torch.nn.utils.rnn.pad_sequence([torch.tensor(o.logprobs) for o in outs], batch_first=True)
-    with torch.no_grad():
-        shadow, _ = response_logprobs(model, tokens, lens, temperature=SAMPLE.temperature,
-                                      shadow=[o.evictions for o in outs])
-    return float((shadow - sampler).abs().max())
 
 
 def continue_until_done(eng, first, seed=7, rounds=6):

@@ -21,7 +21,7 @@ def default_run(assets, tmp_path_factory):
 
 def test_a_function_given_by_path_replaces_the_default(assets, tmp_path, default_run):
     run = tmp_path / "run"
-    assert main(args(assets, run, 2, "--rollout-function-path", "tiny_runs.first_group_only")) == 0
+    assert main(args(assets, run, 2, "--rollout-function-path", "tests.helpers.tiny_runs.first_group_only")) == 0
     rows = rollout_rows(run)
     # its own metric, and the batch it returned: one group of 4 samples where the default trains on 2 groups
     assert [r["custom/rollout_id"] for r in rows] == [0.0, 1.0]
@@ -34,7 +34,7 @@ def test_slimes_older_form_trains_on_the_same_groups_as_the_default(assets, tmp_
     """The bare list of groups: the loop recomputes pi_old and the response metrics itself, so the run equals the
     default's in every metric both log."""
     run = tmp_path / "run"
-    assert main(args(assets, run, 2, "--rollout-function-path", "tiny_runs:groups_only")) == 0
+    assert main(args(assets, run, 2, "--rollout-function-path", "tests.helpers.tiny_runs:groups_only")) == 0
     rows = rollout_rows(run)
     assert "rollout/groups_generated" not in rows[0] and "rollout/groups_generated" in default_run[0]
     for mine, default in zip(rows, default_run, strict=True):
@@ -44,7 +44,8 @@ def test_slimes_older_form_trains_on_the_same_groups_as_the_default(assets, tmp_
 
 
 def test_a_path_that_does_not_import_is_one_line_naming_the_flag(assets, tmp_path, capsys):
-    assert main(args(assets, tmp_path / "run", 1, "--rollout-function-path", "tiny_runs.no_such_function")) == 2
+    assert main(args(assets, tmp_path / "run", 1, "--rollout-function-path",
+                     "tests.helpers.tiny_runs.no_such_function")) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --rollout-function-path 'tiny_runs.no_such_function'") and "\n" not in err
+    assert err.startswith("error: --rollout-function-path 'tests.helpers.tiny_runs.no_such_function'") and "\n" not in err
     assert not (tmp_path / "run").exists()
