@@ -16,6 +16,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def base_args(tmp_path):
+    """The two flags every run needs, pointing at a one-row prompt file and an (empty) model directory: enough for
+    the configuration to load and validate."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    return ["--prompt-data", str(data), "--hf-checkpoint", str(model)]
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """Builder of the tiny task assets the end-to-end tests share: a ~20k-parameter random Qwen2 (no

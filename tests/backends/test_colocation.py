@@ -17,14 +17,6 @@ from slime_sparse.rollout.offload import OffloadingEngine
 from slime_sparse.rollout.sampling import SamplingParams
 
 
-@pytest.fixture
-def base_args(tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
-    (tmp_path / "model").mkdir()
-    return ["--prompt-data", str(data), "--hf-checkpoint", str(tmp_path / "model")]
-
-
 def test_recompute_flags_resolve_like_megatrons(base_args):
     cfg = load_config(base_args + ["--recompute-granularity", "full"]).train
     assert Recompute.from_flags(cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers) == \

@@ -125,15 +125,6 @@ def test_training_with_the_fp32_head_steps_a_tied_bf16_model():
     assert not torch.equal(before, model.model.embed_tokens.weight.detach())
 
 
-@pytest.fixture
-def base_args(tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
-    model = tmp_path / "model"
-    model.mkdir()
-    return ["--prompt-data", str(data), "--hf-checkpoint", str(model)]
-
-
 @pytest.mark.parametrize("flag", ["--enable-fp32-lm-head", "--sglang-enable-fp32-lm-head"])
 def test_one_flag_sets_the_head_of_engine_learner_and_sglang_servers(base_args, flag):
     """slime users pass SGLang's flag as --sglang-enable-fp32-lm-head, which alone would leave the learner in bf16:
