@@ -26,7 +26,7 @@ BASE = [
 ]
 
 EXTRAS = {
-    # wandb: the offline-run test (tests/test_slime_runs.py); it pulls no torch.
+    # wandb: the offline-run test (tests/e2e/test_slime_runs.py); it pulls no torch.
     # gguf + accelerate: the GGUF round-trip tests of tools/gguf_to_hf.py (small, pure Python)
     # triton: the fused R-KV kernel (slime_sparse/kv/kernels) checked on CPU under Triton's interpreter; a CUDA torch
     # already pins its own (3.0 is the oldest whose APIs the kernel uses; the GPU image has 3.6, CPU CI 3.9)

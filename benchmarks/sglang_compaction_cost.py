@@ -1,8 +1,8 @@
 """Step cost model of the SGLang plugin's compaction: eager ops and host syncs per compaction, the per-request loop the
-plugin ran before #37 (tests/sglang_reference.py) against the batched call (sglang_patches.runtime), at 1, 16 and 256
+plugin ran before #37 (tests/helpers/sglang_reference.py) against the batched call (sglang_patches.runtime), at 1, 16 and 256
 requests due in one decode step.
 
-On SGLang's stand-in pools (tests/sglang_pools.py: the layout of ReqToTokenPool / MHATokenToKVPool /
+On SGLang's stand-in pools (tests/helpers/sglang_pools.py: the layout of ReqToTokenPool / MHATokenToKVPool /
 TokenToKVPoolAllocator, page_size 1), counted by `slime_sparse.utils.op_audit.OpCounter`: an eager op is about one
 kernel launch on a GPU, a host sync a point where the scheduler waits for the device. The counts depend on the
 number of layers (keys are gathered per layer: SGLang keeps one K buffer per layer), not on head dim or budget, so
@@ -34,15 +34,14 @@ from types import SimpleNamespace
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
-for path in (REPO, REPO / "tests"):  # `python benchmarks/...` from a checkout; the stand-ins live with the tests
-    if str(path) not in sys.path:
-        sys.path.insert(0, str(path))
+if str(REPO) not in sys.path:  # `python benchmarks/...` from a checkout; the stand-ins live with the tests
+    sys.path.insert(0, str(REPO))
 
 from sglang_patches.runtime import EVICTED_ATTR, SparseKVRuntime  # noqa: E402
-from sglang_pools import replica_pools  # noqa: E402
-from sglang_reference import compact_batch_per_request  # noqa: E402
 from slime_sparse.kv import KVCompressConfig  # noqa: E402
 from slime_sparse.utils.op_audit import OpCounter  # noqa: E402
+from tests.helpers.sglang_pools import replica_pools  # noqa: E402
+from tests.helpers.sglang_reference import compact_batch_per_request  # noqa: E402
 
 
 def scene(cfg: KVCompressConfig, due: int, args: argparse.Namespace, seed: int = 0):

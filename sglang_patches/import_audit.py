@@ -7,7 +7,7 @@ fresh venv (#45: orjson and IPython) while passing on a machine that happens to 
 
 `record()` imports USED_MODULES in a fresh interpreter with the stand-in active and lists every top-level module that
 got loaded, with where it came from: "deps" (CPU_IMPORT_DEPS, with its distribution), "stub", or "env" (this
-environment, with its distribution). MANIFEST stores that for the pinned version; tests/test_sglang_stand_in.py
+environment, with its distribution). MANIFEST stores that for the pinned version; tests/sglang/test_stand_in.py
 checks in the default run that every "deps" distribution is in CPU_IMPORT_DEPS and every "env" one is a requirement
 of the project (what a fresh venv has), and, with `-m sglang`, that MANIFEST is still what record() finds.
 
@@ -29,7 +29,7 @@ from .hooks import HOOKS
 from .version import SGLANG_VERSION
 
 MANIFEST = Path(__file__).with_name("sglang_imports.json")
-# What the plugin and its tests import besides the hooked modules (tests/sglang_pools.py, tests/test_sglang_*.py)
+# What the plugin and its tests import besides the hooked modules (tests/helpers/sglang_pools.py, tests/sglang/)
 IMPORTED = (
     "sglang", "sglang.srt.plugins.hook_registry", "sglang.srt.runtime_context", "sglang.srt.constants",
     "sglang.srt.managers.schedule_batch", "sglang.srt.managers.schedule_policy", "sglang.srt.sampling.sampling_params",

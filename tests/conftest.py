@@ -6,7 +6,7 @@ import torch
 # Tiny tensors: one thread is fastest, and OpenMP spinning on shared cores costs seconds per test.
 torch.set_num_threads(1)
 # Triton kernels run on CPU tensors under Triton's interpreter, which is chosen when triton is imported: before any
-# test module imports it (tests/test_rkv_kernel.py).
+# test module imports it (tests/kv/kernels/test_rkv_kernel.py).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -14,6 +14,17 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def base_args(tmp_path):
+    """The two flags every run needs, pointing at a one-row prompt file and an (empty) model directory: enough for
+    the configuration to load and validate."""
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    return ["--prompt-data", str(data), "--hf-checkpoint", str(model)]
 
 
 @pytest.fixture(scope="session")

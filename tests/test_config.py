@@ -7,15 +7,6 @@ from slime_sparse.config_loader import build_parser, load_config, save_config
 from slime_sparse.flags import SECTION_PREFIXES
 
 
-@pytest.fixture
-def base_args(tmp_path):
-    data = tmp_path / "p.jsonl"
-    data.write_text('{"prompt": "1 2=", "label": "3"}\n')
-    model = tmp_path / "model"
-    model.mkdir()
-    return ["--prompt-data", str(data), "--hf-checkpoint", str(model)]
-
-
 def test_slime_flag_names_exist():
     flags = {s for a in build_parser()._actions for s in a.option_strings}
     for flag in ["--rollout-batch-size", "--n-samples-per-prompt", "--global-batch-size", "--eps-clip",

@@ -9,7 +9,7 @@ from slime_sparse.kv.config import KVCompressConfig
 from slime_sparse.kv.schedule import never_compresses
 from slime_sparse.preflight import no_gradient_warning, start_warnings
 from slime_sparse.rollout.sampling import SamplingParams
-from tiny_runs import read_metrics, run_args
+from tests.helpers.tiny_runs import read_metrics, run_args
 
 
 def _cfg(method="rkv", budget=16, buffer=4, max_new=24, temperature=1.0, n=4) -> RunConfig:

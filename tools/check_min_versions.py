@@ -23,9 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # the transformers surface the engine uses, the engine against dense attention and HF generate, the data loader,
 # the grader, whole runs
-TESTS = ["tests/test_transformers_contract.py", "tests/test_rollout_cache.py", "tests/test_rollout_embedded.py",
-         "tests/test_data_prompt_dataset.py", "tests/test_reward_math.py", "tests/test_learner.py",
-         "tests/test_train_e2e.py"]
+TESTS = ["tests/rollout/embedded/test_transformers_contract.py", "tests/rollout/embedded/test_cache.py",
+         "tests/rollout/embedded/test_engine.py", "tests/data/test_prompt_dataset.py", "tests/reward/test_math_grader.py",
+         "tests/backends/embedded/test_learner.py", "tests/e2e/test_train.py"]
 TEST_TOOLS = ["pytest>=8.0", "pytest-timeout>=2.3"]
 
 

@@ -6,7 +6,7 @@
 #   bash tools/fetch_gpu_wheels.sh        # here, with the registry; ~4 MB of wheels, ~3 MB of assets
 #
 # The wheels are for CPython 3.12 on x86-64 Linux whatever this machine runs (pip's --python-version / --platform),
-# without their dependencies (--no-deps): tests/test_gpu_wheels.py checks that the list and the image's packages
+# without their dependencies (--no-deps): tests/gpu/test_wheels.py checks that the list and the image's packages
 # (tools/gpu_image_packages.txt) cover every import of the training path.
 set -euo pipefail
 cd "$(dirname "$0")/.."

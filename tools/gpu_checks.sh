@@ -11,7 +11,7 @@
 #   rl_step_dense  #43's RL step at its size (1.5B shape, 64 x 8, +4,096, 24 GiB), dense; rl_step_sparse: R-KV. Two
 #                  calls on one warm machine; `python tools/gpu_summary.py OUT_DENSE OUT_SPARSE` judges the ratio
 # GPU_CHECKS_DRY_RUN=1 runs the benchmark steps of a profile on the CPU at tiny shapes (the rest is skipped): the
-# plumbing, flags and records, without a GPU (tests/test_gpu_checks.py).
+# plumbing, flags and records, without a GPU (tests/gpu/test_checks.py).
 #
 # It runs unchanged on the device machine's image (Python 3.12, torch 2.11 + CUDA 13, transformers 5.17, Triton; no
 # package registry, no Apex, Transformer Engine, SGLang or Ray): the project from the checkout (PYTHONPATH), the wheels
@@ -103,8 +103,8 @@ profile_all() {
   # CUDA-graph decode step, the offloaded engine keeping its graphs (#43); CUDA RNG checkpoints; Megatron's kernels
   if [ -n "$DRY" ]; then skip gpu_tests "dry run"; else
   SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m "" \
-    -rs tests/test_gpu_exactness.py tests/test_gpu_engine.py tests/test_gpu_offload.py tests/test_megatron_kernels.py \
-    tests/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
+    -rs tests/gpu/test_exactness.py tests/gpu/test_engine.py tests/gpu/test_offload.py \
+    tests/backends/megatron/test_kernels.py tests/utils/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
   fi
 
   # ---- hooks: #43's other GPU checks, HOOK_BUDGET seconds kept for them. One `step NAME SECONDS CMD` line each; a

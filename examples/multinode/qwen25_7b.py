@@ -16,7 +16,7 @@ steps per rollout), responses up to 4096 tokens at temperature 1, 100 rollouts. 
 Size it first: `python tools/plan_memory.py --hf-config /shared/Qwen2.5-7B --prompt-len 512 --max-new-tokens 4096
 --learner-layouts 2x1x4 --use-kl-loss` (39 GiB of learner state per GPU, activations aside; a request peaks at
 640 KV slots instead of 4607, so an 80 GiB server holds 6.9x as many at once). Not run by us: no GPU cluster
-was available; `tests/test_examples.py` checks that the command parses and fits the layout rules.
+was available; `tests/e2e/test_examples.py` checks that the command parses and fits the layout rules.
 """
 from __future__ import annotations
 

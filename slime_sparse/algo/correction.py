@@ -50,7 +50,7 @@ either policy) at any masked position is rejected whole, like a vetoed one: a sa
 sampled a token it gave probability 0, and NaN means a broken forward; neither can be weighed. It gets
 weight 0, is left out of the batch-normalisation mean and of the xi statistics, and is counted in
 "correction/nonfinite_seqs" and in the rejection rates; nothing non-finite reaches the outputs
-(tests/test_fuzz_objective.py holds this over thousands of adversarial batches).
+(tests/algo/test_fuzz_objective.py holds this over thousands of adversarial batches).
 """
 from __future__ import annotations
 

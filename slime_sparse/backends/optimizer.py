@@ -5,7 +5,7 @@
   `--lr-warmup-iters`; linear warm-up from 0, the first step runs at lr 0; after the decay steps, `--min-lr`),
   taken from the libraries, not written here: the embedded learner steps the transformers scheduler of
   `hf_lr_scheduler`, the Megatron learner Megatron's own `OptimizerParamScheduler` (`megatron_lr_scheduler`). Both
-  give the same lr at every step (tests/test_lr_schedule.py checks each against its library and the two against each
+  give the same lr at every step (tests/backends/test_lr_schedule.py checks each against its library and the two against each
   other). One optimizer step is one scheduler step; slime counts samples (global batch size per step), which gives
   the same values.
 - Resuming: the scheduler's position is part of a training checkpoint; `check_resumed_schedule` refuses a resume

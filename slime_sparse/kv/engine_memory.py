@@ -17,7 +17,7 @@ pool of 32, so the warm-ups' cached blocks can exceed one working set (to be fix
 
 Every term is a formula over tensor shapes, read from the code that allocates them (named beside each); the tests
 measure the allocations of the real code (`utils.mem_audit.LiveBytes`, torch's allocator on CUDA) against them
-(tests/test_engine_memory.py). Kernels' internal scratch that torch's CPU allocator does not report (a matmul's or
+(tests/rollout/embedded/test_engine_memory.py). Kernels' internal scratch that torch's CPU allocator does not report (a matmul's or
 SDPA's own buffers) is not counted.
 """
 from __future__ import annotations

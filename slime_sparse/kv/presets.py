@@ -20,7 +20,7 @@ pyramid spans the whole budget, window included, capped and with a uniform fallb
 `kvpress_layer_budget`), and its KeyDiff and StreamingLLM protect no recent slots (ScorerPress.compress takes the
 top-k over every position).
 
-What equals kvpress 0.5.5 under `kvpress` (tests/test_kv_oracle.py, against kvpress run in its own environment,
+What equals kvpress 0.5.5 under `kvpress` (tests/kv/test_kvpress_oracle.py, against kvpress run in its own environment,
 every layer and KV head, several prompt lengths and ratios), with --kv-budget = q_len * (1 - compression_ratio)
 an integer and the prompt compressed by `compress_indices(cfg, keys, queries)`:
 - the kept slots of SnapKV, StreamingLLM (n_sink 4), KeyDiff (prefill, and a DecodingPress compression) and

@@ -4,7 +4,7 @@ activation recompute. Pure arithmetic on a `ModelShape`, like the rollout's and 
 
 The learner terms follow what the embedded learner's autograd graph keeps (a Hugging Face Qwen2 / Llama / Qwen3
 decoder under SDPA, the LM head on the response positions only: `backends.logprobs`), counted tensor by tensor
-below and checked against torch's own memory tracker on CPU (tests/test_step_memory.py):
+below and checked against torch's own memory tracker on CPU (tests/planner/test_step_memory.py):
 - per token and decoder layer, what backward reads: each RMSNorm's fp32 upcast and normed output, the query, the
   keys and values SDPA saves (repeated to every query head when a padding mask is present, which disables SDPA's
   GQA), the attention output and its copy for o_proj, the logsumexp, and the SwiGLU MLP's gate, up, act and

@@ -59,7 +59,7 @@ def grade_math_verify(response: str, label: Any, **kwargs: Any) -> float:
 def _warm_up() -> None:
     """Import math-verify and parse + verify once. A worker does it before it takes answers (see worker.py): on
     a busy machine the first call's imports took longer than a 3 s timeout, so after one hostile answer every
-    later one, right answers included, timed out on its fresh worker (found by tests/test_fuzz_reward.py)."""
+    later one, right answers included, timed out on its fresh worker (found by tests/reward/test_fuzz.py)."""
     grade_math_verify("\\boxed{1}", "1")
 
 

@@ -164,7 +164,7 @@ class KVMethod:
     def score_bytes(self, s: ScoreShape) -> int:
         """Peak bytes `score` allocates for a call of shape `s` (inputs excluded, its output included), as torch's
         allocator sees them: what the compressor sizes its chunks by and the engine's admission counts
-        (kv/engine_memory.py). Checked against measured allocations (tests/test_engine_memory.py)."""
+        (kv/engine_memory.py). Checked against measured allocations (tests/rollout/embedded/test_engine_memory.py)."""
         raise NotImplementedError
 
 

@@ -6,7 +6,7 @@ Per layer: RMSNorm as one op (`F.rms_norm`), one qkv GEMM, RoPE from a cos / sin
 k together), the cache write, attention (attention.py), one o GEMM, RMSNorm, one gate/up GEMM, SiLU x up, one down
 GEMM. In float32 every step is HF's arithmetic; in a reduced dtype the norm rounds where HF's does (normalised value
 to the model dtype, then the weight), and RoPE multiplies and adds in the model dtype as HF does (on CPU, bf16 decoding
-through this body samples HF's tokens with HF's log-probs bit for bit: tests/test_decode_body.py).
+through this body samples HF's tokens with HF's log-probs bit for bit: tests/rollout/embedded/test_decode_body.py).
 
 Fused weights: `_fuse` concatenates q/k/v (and gate/up) once and makes each HF parameter's data a view into the
 fused tensor (parameters that already are such views, fused by another engine over the same model, are used as they
