@@ -30,9 +30,16 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from .step import NO_MASK
-
 ARCHITECTURES = ("qwen2", "llama")
+# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
+# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
+NO_MASK = None
+PROBE_ATTENTION = "slime_sparse_contract_probe"  # registered by `check` only, when it runs
+
+
+def cache_keyword(body: torch.nn.Module) -> str:
+    """The keyword under which the decoder body takes the cache: `cache` (transformers >= 5.x) or `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,6 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
         value.repeat_interleave(query.shape[1] // key.shape[1], 1), is_causal=query.shape[2] > 1, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
-
-AttentionInterface.register("slime_sparse_contract_probe", _probe_attention)
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -115,7 +120,7 @@ def check(architecture: str) -> list[Finding]:
     model = tiny_model(architecture)
     body = model.base_model
     params = inspect.signature(body.forward).parameters
-    kwarg = "cache" if "cache" in params else "past_key_values"
+    kwarg = cache_keyword(body)
     found = [Finding(architecture, "the decoder body (base_model) takes the cache as `cache` or `past_key_values`",
                      body is not model and kwarg in params, f"{type(body).__name__}, keyword {kwarg!r}"),
              Finding(architecture, "the model supports the AttentionInterface",
@@ -123,7 +128,8 @@ def check(architecture: str) -> list[Finding]:
     cache = _RecordingCache()
     ids, n_layers = torch.tensor([[3, 5, 7, 9]]), model.config.num_hidden_layers
     previous = model.config._attn_implementation
-    model.config._attn_implementation = "slime_sparse_contract_probe"
+    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)  # idempotent; never at import
+    model.config._attn_implementation = PROBE_ATTENTION
     _SEEN.clear()
     try:
         with torch.no_grad():

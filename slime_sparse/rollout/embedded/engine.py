@@ -45,7 +45,7 @@ from .runner import ModelRunner, RunnerShape
 from .scheduler import Scheduler
 from .sequence import KVTraceRecord, Sequence
 from .step import STEP_MODES
-from .table import GenerateStats
+from .stats import GenerateStats
 from .weights import copy_weights
 
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given

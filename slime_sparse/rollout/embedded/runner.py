@@ -20,9 +20,11 @@ from slime_sparse.utils.model_shape import ModelShape
 
 from .arena import new_arena
 from .cache import BudgetKVCache
-from .compressor import Compressor, PackedBits, to_host, to_device
+from .compressor import Compressor, PackedBits
+from .graphs import CapturedGraphs
 from .plan import build_plan
-from .step import CapturedGraphs, DecodeState, DecodeStep, decode_shapes
+from .step import DecodeState, DecodeStep, decode_shapes
+from .transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -45,8 +47,12 @@ def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dt
     """Device bytes one row holds for its whole life (keys, values, positions, the query ring, attention mass, its
     decode state): `kv.engine_memory.row_bytes` of an HF config. Admission counts the working sets too
     (`EmbeddedEngine.memory_spec`)."""
-    return engine_memory.row_bytes(ModelShape.from_hf_config(model_config.to_dict()), kv, capacity,
-                                   torch.empty((), dtype=dtype).element_size())
+    return engine_memory.row_bytes(model_shape(model_config), kv, capacity, torch.empty((), dtype=dtype).element_size())
+
+
+def model_shape(model_config) -> ModelShape:
+    """The model's dimensions (head_dim among them: `head_dim`, else hidden / heads), read from an HF config once."""
+    return ModelShape.from_hf_config(model_config.to_dict())
 
 
 class ModelRunner:
@@ -55,14 +61,13 @@ class ModelRunner:
                  decode_attention: str = "sdpa", releasable: bool = False) -> None:
         """releasable: the cache's memory will be given back between calls with its graphs kept (`release`): on
         CUDA with graphs, the cache then lives at fixed virtual addresses (arena.py)."""
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dims = model_shape(model.config)
         kv = shape.kv
         self.shape, self.device, self.logits = shape, device, logits
         self.arena = new_arena(device, releasable, shape.mode)
         self.cache = BudgetKVCache(
-            num_rows=shape.rows, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-            num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
+            num_rows=shape.rows, num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads,
+            num_q_heads=dims.num_heads, head_dim=dims.head_dim, capacity=shape.capacity, window=kv.window,
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1, zeros=self.arena.zeros)
         self.cache.decode_backend = decode_attention

@@ -34,7 +34,8 @@ from .continuation import prefilled
 from .runner import ModelRunner
 from .sequence import KVTraceRecord, Readback, Sequence, held_trace, prompt_groups
 from .step import bucket_for
-from .table import GenerateStats, RowTable
+from .stats import GenerateStats
+from .table import RowTable
 
 
 @dataclass
