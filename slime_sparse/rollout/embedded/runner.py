@@ -20,10 +20,11 @@ from slime_sparse.utils.model_shape import ModelShape
 
 from .arena import new_arena
 from .cache import BudgetKVCache
-from .compressor import Compressor, PackedBits
+from .compressor import Compressor
 from .graphs import CapturedGraphs
+from .orders import Compact, Decode, Prefill, ReadTokens, SampleFirst, WorkOrder
 from .plan import build_plan
-from .step import DecodeState, DecodeStep, decode_shapes
+from .step import DecodeState, DecodeStep, StepShape, decode_shapes
 from .transfer import to_device, to_host
 
 
@@ -78,6 +79,27 @@ class ModelRunner:
         self.buckets, self.span_granularity = decode_shapes(shape.mode, shape.rows)
 
     @property
+    def step_shape(self) -> StepShape:
+        record = self.compressor
+        return StepShape(tuple(self.buckets), self.span_granularity, self.shape.readback,
+                         record.record_shape if record else None, record.record_budgets if record else None)
+
+    def run(self, order: WorkOrder):
+        """Run one of the scheduler's work orders on the device; its result (orders.py says which)."""
+        if isinstance(order, Decode):
+            return self.step(order.bucket, order.spans, order.params)
+        if isinstance(order, Compact):
+            return self.compressor(order.rows, order.sizes, order.m, order.bucket if self.graphs is not None else None)
+        if isinstance(order, Prefill):
+            return self.prefill(order.first, order.chunks, order.positions, order.fills)
+        if isinstance(order, SampleFirst):
+            logits = order.logits[torch.tensor(order.batch, device=order.logits.device)]
+            return self.sample_first(order.rows, logits, order.params, order.positions, order.keys)
+        if isinstance(order, ReadTokens):
+            return self.readback(order.n, order.steps)
+        raise TypeError(f"not a work order: {order!r}")
+
+    @property
     def captures(self) -> int:
         return self.graphs.captures if self.graphs is not None else 0
 
@@ -120,12 +142,6 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     # ---- decode ----
-    def decode(self, n: int, spans: tuple[int, ...], params: SamplingParams) -> None:
-        self.step(n, spans, params)
-
-    def compress(self, rows: list[int], sizes: tuple[int, ...], m: int, bucket: int | None = None) -> PackedBits:
-        return self.compressor(rows, sizes, m, bucket if self.graphs is not None else None)
-
     def readback(self, n: int, steps: int) -> tuple[Tensor, Tensor, "torch.cuda.Event | None"]:
         """Copy the tokens and log-probs of the last `steps` decode steps of rows [0, n) to the host without waiting,
         and start a new window; the event (CUDA) says when the copies are done."""
@@ -137,15 +153,3 @@ class ModelRunner:
             event.record()
         st.column.zero_()
         return tokens, logprobs, event
-
-    # ---- rows (between steps) ----
-    def reset_row(self, row: int) -> None:
-        self.cache.reset_row(row)
-
-    def park_row(self, row: int) -> None:
-        self.cache.park_row(row)
-
-    def copy_row(self, src: int, dst: int, held: int, with_state: bool = False) -> None:
-        self.cache.copy_row(src, dst, held)
-        if with_state:
-            self.state.copy_row(src, dst)

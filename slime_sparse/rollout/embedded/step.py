@@ -117,6 +117,18 @@ class DecodeStep:
         cache.end_decode()
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What the scheduler plans a call's steps with (`ModelRunner.step_shape`): the row counts decode steps and
+    compactions pad to, the span granularity, the readback window; and what the eviction record stores."""
+
+    buckets: tuple[int, ...]
+    span_granularity: int
+    readback: int
+    record_shape: tuple[int, int, int] | None  # (layers, heads, largest budget); None: compression off
+    record_budgets: tuple[int, ...] | None
+
+
 def decode_shapes(mode: str, max_rows: int) -> tuple[list[int], int]:
     """(row counts, span granularity) decode steps run at. Captured or compiled steps pad to few shapes, each a graph
     of its own: rows 1, 2, 4, 8, then every 8 (SGLang's schedule) and max_rows, spans in multiples of
