@@ -141,8 +141,7 @@ class EmbeddedEngine:
             else DEFAULT_MAX_BATCH_SIZE
         self.memory_saver = memory_saver
         self.runner_builds = 0  # runners built so far (each allocates a cache; with graphs, captures them anew)
-        self.max_prompt_len = max_prompt_len
-        self.on_long_prompt = on_long_prompt
+        self.max_prompt_len, self.on_long_prompt = max_prompt_len, on_long_prompt
         self.kv_trace = kv_trace
         self.check_rows = check_rows_default() if check_rows is None else check_rows
         self.num_skipped_prompts = 0  # cumulative over calls (on_long_prompt="skip")
