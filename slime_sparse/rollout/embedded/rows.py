@@ -130,18 +130,19 @@ class Rows:
         return self.cache.held_positions(row, self.table.fill[:, row].tolist())
 
     def check(self, n: int) -> None:
-        """The debug mode's check, after a decode window over rows [0, n): every row's fill and seen on the device
-        equal the host's, and every running row that may still sample draws the token the host counts it at (its
-        stream counter). A host sync: only when `checked`."""
+        """The debug mode's check, after a decode window over rows [0, n): every row's fill on the device equals the
+        host's (parked rows' too: steps read them), every running row's seen count too (a parked row's is stale from
+        an earlier call, and never read), and every running row that may still sample draws the token the host counts
+        it at (its stream counter). A host sync: only when `checked`."""
         if not self.checked:
             return
         fill, seen = self.cache.fill.cpu().numpy(), self.cache.seen.cpu().numpy()
         counters, t = self.state.counters[:n].cpu().numpy(), self.table
         live = np.flatnonzero(t.live(n))
-        bad = set(np.flatnonzero((fill != t.fill).any(axis=0))) | set(np.flatnonzero(seen != t.seen))
-        bad = sorted(bad | set(live[counters[live] != t.issued[live]]))
+        bad = set(np.flatnonzero((fill != t.fill).any(axis=0))) | set(np.flatnonzero(seen[:n] != t.seen[:n]))
+        bad = sorted(int(r) for r in bad | set(live[counters[live] != t.issued[live]]))
         if bad:
-            row = int(bad[0])
+            row = bad[0]
             raise RowMismatch(f"rows {bad} (of {n} running): host and device disagree; row {row}: fill host "
                               f"{t.fill[:, row].tolist()} device {fill[:, row].tolist()}, seen host {int(t.seen[row])} "
                               f"device {int(seen[row])}, stream counter host {int(t.issued[row])} "
