@@ -28,14 +28,13 @@ from slime_sparse.rollout.embedded.runner import ModelRunner
 from slime_sparse.rollout.embedded.scheduler import Scheduler
 from slime_sparse.rollout.embedded.step import DecodeState
 from slime_sparse.rollout.partial import PartialSpec
+from slime_sparse.utils.threads import torch_threads
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+def _one_thread():  # tiny models gain nothing from intra-op threads on a shared box (test_rollout_embedded.py)
+    with torch_threads(1):
+        yield
 
 
 def tiny_model():

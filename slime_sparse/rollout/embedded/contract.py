@@ -30,16 +30,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
+from .attention import NO_MASK, cache_keyword
+
 ARCHITECTURES = ("qwen2", "llama")
-# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
-# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
-NO_MASK = None
 PROBE_ATTENTION = "slime_sparse_contract_probe"  # registered by `check` only, when it runs
-
-
-def cache_keyword(body: torch.nn.Module) -> str:
-    """The keyword under which the decoder body takes the cache: `cache` (transformers >= 5.x) or `past_key_values`."""
-    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 @dataclass(frozen=True)

@@ -20,9 +20,8 @@ from torch import Tensor, nn
 from slime_sparse.kv.engine_memory import SPAN_GRANULARITY
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
-from .attention import CACHE_KWARG
+from .attention import CACHE_KWARG, NO_MASK, cache_keyword
 from .cache import BudgetKVCache, DecodeView
-from .contract import NO_MASK, cache_keyword
 from .graphs import CapturedGraphs
 
 # cuda_graph_compile: the step compiled by inductor (its own cudagraphs off) and captured in our graphs (SGLang's
