@@ -184,3 +184,33 @@ def test_importing_the_contract_registers_no_attention():
             "assert all(f.ok for f in c.check('qwen2'))\n"
             "assert c.PROBE_ATTENTION in AttentionInterface._global_mapping\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_rows_agree_at_the_graphs_shapes_with_late_readback(method, monkeypatch):
+    """On CPU, the shapes graphs run at: rows padded to a bucket (parked rows inside a step, spans rounded up) and the
+    tokens read every 8 steps (rows run past their end until the host notices); checked after every window."""
+    import slime_sparse.rollout.embedded.runner as runner_module
+    from slime_sparse.rollout.embedded.step import decode_shapes
+
+    calls = counting_checks(monkeypatch)
+    monkeypatch.setattr(runner_module, "decode_shapes", lambda mode, rows: decode_shapes("cuda_graph", rows))
+    outs = EmbeddedEngine(tiny_model(), kv_of(method), max_batch_size=8, readback_interval=8,
+                          check_rows=True).generate(PROMPTS, SAMPLE, seed=5)
+    assert any(n not in (1, 2, 4, 8) for n in calls), calls  # a window whose steps ran parked rows (buckets 1, 2, 4, 8)
+    assert len({len(o.response_ids) for o in outs}) > 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["none", "rkv", "h2o"])
+def test_rows_agree_under_cuda_graphs(method):
+    """What only a GPU runs (tools/gpu_checks.sh): decode steps and compactions replayed from CUDA graphs (rows padded
+    to a bucket: parked rows inside a step), the tokens read every 8 steps (the host two windows ahead of the
+    device); the check after every window, and no token changed by it."""
+    model = tiny_model().to("cuda")
+    engines = [EmbeddedEngine(model, kv_of(method), device="cuda", step_mode="cuda_graph", max_batch_size=5,
+                              readback_interval=8, check_rows=check) for check in (False, True)]
+    plain, checked = (engine.generate(PROMPTS * 2, SAMPLE, seed=5) for engine in engines)
+    assert [o.response_ids for o in checked] == [o.response_ids for o in plain]
+    assert engines[1].captures > 0
