@@ -33,7 +33,8 @@ def trigger(cfg: KVCompressConfig) -> int:
     return budget_range(cfg)[1] + cfg.buffer
 
 
-def should_compress(cache_len: int | np.ndarray, cfg: KVCompressConfig, first_decode: bool = False) -> bool | np.ndarray:
+def should_compress(cache_len: int | np.ndarray, cfg: KVCompressConfig,
+                    first_decode: bool = False) -> bool | np.ndarray:
     """Compress a cache whose fullest layer holds `cache_len` slots now? Asked once a step has written its tokens,
     before the next one. The one trigger rule: an array of lengths (an engine's rows) gets an array of answers.
 

@@ -48,7 +48,8 @@ class Decode:
 @dataclass(frozen=True)
 class Compact:
     """Compress `rows` (each holding sizes[l] slots in layer l, scored with their last m queries) to their layer
-    budgets; bucket: padded to that many rows (a decode-time compaction: a captured graph on CUDA). Result: PackedBits."""
+    budgets; bucket: padded to that many rows (a decode-time compaction: a captured graph on CUDA).
+    Result: PackedBits."""
 
     rows: list[int]
     sizes: tuple[int, ...]

@@ -8,8 +8,9 @@ change to a row is a method here, and each method says what happens to both side
 - changes made by device work (a prefill's forward, a first token's sampling, a decode step, a compaction: captured
   in CUDA graphs, so the device applies its own, in cache.py and step.py) are applied here to the host by `prefilled`,
   `started`, `decoded` and `compacted`, with the same rule as the device code.
-`check` reads the device back and raises on any difference (a host sync: only in the debug mode, SLIME_SPARSE_CHECK_ROWS=1
-or `EmbeddedEngine(check_rows=True)`, after every decode window; the tests run it for every KV method).
+`check` reads the device back and raises on any difference (a host sync: only in the debug mode,
+SLIME_SPARSE_CHECK_ROWS=1 or `EmbeddedEngine(check_rows=True)`, after every decode window; the tests run it for every
+KV method).
 
 Why not upload the host's table into fixed device buffers before each step (nano-vllm's `prepare_decode`): a host-to-
 device copy per step (from pinned memory, with a ring of staging buffers, since the host runs up to two readback windows
@@ -83,7 +84,8 @@ class Rows:
         """One recorded compression on `row` (a continuation's prefill): per stored layer (one for all layers, or one
         each), keep the slots whose keep bit is set ([H', n] bits, slots in position order, as the record's are)."""
         cache, t = self.cache, self.table
-        layer_sets = [list(range(cache.num_layers))] if len(bits) == 1 else [[layer] for layer in range(cache.num_layers)]
+        layers_all = list(range(cache.num_layers))
+        layer_sets = [layers_all] if len(bits) == 1 else [[layer] for layer in layers_all]
         device = cache.device
         for layers, layer_bits in zip(layer_sets, bits):
             held = {int(t.fill[layer, row]) for layer in layers}
