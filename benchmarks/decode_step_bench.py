@@ -114,10 +114,11 @@ def count_step(pkg, model, args, body: bool, attention: str, sampler_kernel: boo
                                        **runner_args)
     params = sub("rollout.sampling").SamplingParams(temperature=1.0)
     kv_share = args.mean_length / args.context
+    step = getattr(runner, "decode", runner.step)  # a --before engine's runner.decode(...) is today's runner.step(...)
     with torch.inference_mode(), sub("rollout.embedded.attention").budget_attention_installed(model):
-        runner.decode(args.batch, (args.context,) * layers, params)  # the first call may build constants
+        step(args.batch, (args.context,) * layers, params)  # the first call may build constants
         with OpCounter() as ops, ByteCounter(kv_share) as nbytes:
-            runner.decode(args.batch, (args.context,) * layers, params)
+            step(args.batch, (args.context,) * layers, params)
     total_ops, total_bytes = ops.total, nbytes.total
     if sampler_kernel:  # the kernel replaces the torch sampler: measured apart and swapped in by arithmetic
         logits = torch.empty(args.batch, model.config.vocab_size, device=META)

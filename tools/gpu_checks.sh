@@ -100,11 +100,13 @@ EOF'
 profile_all() {
   env_step
   # the tests marked gpu: exactness on CUDA (fp32 and bf16, both LM-head settings; figures to gpu_report.jsonl), the
-  # CUDA-graph decode step, the offloaded engine keeping its graphs (#43); CUDA RNG checkpoints; Megatron's kernels
+  # CUDA-graph decode step, the offloaded engine keeping its graphs (#43); CUDA RNG checkpoints; Megatron's kernels;
+  # the engine's host row table and device rows agreeing under graphs (#46)
   if [ -n "$DRY" ]; then skip gpu_tests "dry run"; else
   SLIME_SPARSE_GPU_REPORT="$OUT/gpu_report.jsonl" step gpu_tests 100 python3 -m pytest -q -p no:cacheprovider -m "" \
     -rs tests/gpu/test_exactness.py tests/gpu/test_engine.py tests/gpu/test_offload.py \
-    tests/backends/megatron/test_kernels.py tests/utils/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip
+    tests/backends/megatron/test_kernels.py tests/utils/test_checkpoint.py::test_cuda_rng_and_optimizer_state_round_trip \
+    tests/rollout/embedded/test_engine_rows.py::test_rows_agree_under_cuda_graphs
   fi
 
   # ---- hooks: #43's other GPU checks, HOOK_BUDGET seconds kept for them. One `step NAME SECONDS CMD` line each; a

@@ -22,6 +22,8 @@ With one budget all of this is the uniform rule above.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .budgets import budget_range
 from .config import KVCompressConfig
 
@@ -31,18 +33,22 @@ def trigger(cfg: KVCompressConfig) -> int:
     return budget_range(cfg)[1] + cfg.buffer
 
 
-def should_compress(cache_len: int, cfg: KVCompressConfig, first_decode: bool = False) -> bool:
+def should_compress(cache_len: int | np.ndarray, cfg: KVCompressConfig,
+                    first_decode: bool = False) -> bool | np.ndarray:
     """Compress a cache whose fullest layer holds `cache_len` slots now? Asked once a step has written its tokens,
-    before the next one.
+    before the next one. The one trigger rule: an array of lengths (an engine's rows) gets an array of answers.
 
     first_decode: the next step is the sequence's first decode step (its prompt has just been prefilled): a method
     that compresses after prefill cuts a prompt longer than the smallest budget.
     """
+    length = np.asarray(cache_len)
     if not cfg.enabled:
-        return False
-    if cache_len >= trigger(cfg):
-        return True
-    return cfg.traits.compresses_after_prefill and first_decode and cache_len > budget_range(cfg)[0]
+        due = np.zeros(length.shape, dtype=bool)
+    else:
+        due = length >= trigger(cfg)
+        if cfg.traits.compresses_after_prefill and first_decode:
+            due |= length > budget_range(cfg)[0]
+    return due if due.ndim else bool(due)
 
 
 def never_compresses(cfg: KVCompressConfig, longest_prompt: int, max_new_tokens: int) -> bool:

@@ -198,10 +198,10 @@ def _oracle_records(model, kv, prompts=PROMPTS):
     events: dict[int, list] = {}
     original = scheduler_module.Scheduler._compress
 
-    def recording(self, cut, decode=False):
-        original(self, cut, decode)
+    def recording(self, cut, decode=False):  # the scheduler's plan is a generator of work orders: pass them through
+        yield from original(self, cut, decode)
         for row, owners in cut:
-            held = self.runner.cache.held_positions(row, self.table.fill[:, row].tolist())
+            held = self.rows.held_positions(row)
             for seq in owners:
                 events.setdefault(seq.index, []).append([h.clone() for h in held])
 

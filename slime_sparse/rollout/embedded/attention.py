@@ -15,6 +15,7 @@ split-KV kernel that reads each row's length (triton_attention.py). Both are exa
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from contextlib import contextmanager
@@ -33,6 +34,15 @@ from .triton_attention import decode_attention_op
 logger = logging.getLogger(__name__)
 ATTENTION_NAME = "slime_sparse_budget_kv"
 CACHE_KWARG = "budget_kv_cache"  # forward kwarg through which the model hands our cache to this function
+# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
+# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
+NO_MASK = None
+
+
+def cache_keyword(body: nn.Module) -> str:
+    """The keyword under which the decoder body takes the cache: `cache` (transformers >= 5.x) or `past_key_values`
+    (contract.py checks it)."""
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
 
 
 def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scaling: float) -> tuple[Tensor, Tensor]:

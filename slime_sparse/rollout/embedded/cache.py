@@ -14,8 +14,9 @@ while a row that holds no live sequence (padding of a captured batch size, a fin
 overwriting its own last slot, so a fixed-shape step never writes out of bounds and never touches a live row.
 
 The host never reads `fill` or `seen`: every change to them is one the scheduler decides (a step, an admission, a
-compression), and it keeps its own copy (`scheduler.RowTable`). Every method here is free of host synchronisation and
-of host data (nothing but device tensors and shapes goes in), so decode steps and compactions can be captured.
+compression), made through `rows.Rows`, which keeps the host's copy (`table.RowTable`) and checks the two agree.
+Every method here is free of host synchronisation and of host data (nothing but device tensors and shapes goes in),
+so decode steps and compactions can be captured.
 
 The model calls `update(k, v, layer_idx)` with the post-RoPE keys of the new tokens; we write them where the current
 step says (`PrefillPlan` or `DecodeView`) and return views over the rows' first `span` slots. The attention function

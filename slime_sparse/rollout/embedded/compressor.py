@@ -30,7 +30,8 @@ from slime_sparse.kv.record import keep_bits, pack_rows
 from slime_sparse.kv.scoring import needs_queries
 
 from .cache import BudgetKVCache
-from .step import CapturedGraphs
+from .graphs import CapturedGraphs
+from .transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -143,18 +144,3 @@ class Compressor:
             for layer, part in zip(layers, bits.view(bits.shape[0], len(layers), -1).unbind(1)):
                 pieces[layer] = part
         return pack_rows(torch.cat([pieces[layer] for layer in sorted(pieces)], dim=-1))
-
-
-def to_device(values: list[int], device: torch.device) -> Tensor:
-    """Ints as an int64 tensor on `device`, copied without waiting for the device (pinned memory on CUDA: a copy from
-    pageable memory would first wait for every queued kernel)."""
-    index = torch.tensor(values, dtype=torch.int64)
-    return index.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else index.to(device)
-
-
-def to_host(t: Tensor) -> Tensor:
-    """A host copy of `t` that does not wait for the device (pinned memory; valid once the stream gets there)."""
-    if t.device.type != "cuda":
-        return t.clone()
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return out.copy_(t, non_blocking=True)

@@ -30,9 +30,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 
-from .step import NO_MASK
+from .attention import NO_MASK, cache_keyword
 
 ARCHITECTURES = ("qwen2", "llama")
+PROBE_ATTENTION = "slime_sparse_contract_probe"  # registered by `check` only, when it runs
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,6 @@ def _probe_attention(module, query, key, value, attention_mask, scaling=None, dr
         value.repeat_interleave(query.shape[1] // key.shape[1], 1), is_causal=query.shape[2] > 1, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
-
-AttentionInterface.register("slime_sparse_contract_probe", _probe_attention)
 
 
 def check_model(model: torch.nn.Module) -> None:
@@ -115,7 +114,7 @@ def check(architecture: str) -> list[Finding]:
     model = tiny_model(architecture)
     body = model.base_model
     params = inspect.signature(body.forward).parameters
-    kwarg = "cache" if "cache" in params else "past_key_values"
+    kwarg = cache_keyword(body)
     found = [Finding(architecture, "the decoder body (base_model) takes the cache as `cache` or `past_key_values`",
                      body is not model and kwarg in params, f"{type(body).__name__}, keyword {kwarg!r}"),
              Finding(architecture, "the model supports the AttentionInterface",
@@ -123,7 +122,8 @@ def check(architecture: str) -> list[Finding]:
     cache = _RecordingCache()
     ids, n_layers = torch.tensor([[3, 5, 7, 9]]), model.config.num_hidden_layers
     previous = model.config._attn_implementation
-    model.config._attn_implementation = "slime_sparse_contract_probe"
+    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)  # idempotent; never at import
+    model.config._attn_implementation = PROBE_ATTENTION
     _SEEN.clear()
     try:
         with torch.no_grad():

@@ -1,22 +1,21 @@
 """EmbeddedEngine: batched, budgeted-KV sampling over a transformers causal LM, in this process.
 
-Three parts, as in nano-vllm: this public engine (weights, KV configs, the runner's lifetime, KV-memory admission),
-the scheduler (scheduler.py: the host side of a call, one table of per-row state, continuous batching, when rows
-compress), and the runner (runner.py: the device side, built once and reused across calls: the budgeted cache,
-the decode step captured as CUDA graphs, the batched compressor). The decode step (step.py) has fixed shapes and
-never waits for the device; compaction (compressor.py) runs between steps, for every due row and layer at once.
+Three parts, as in nano-vllm: this public engine (weights, KV configs, the runner's lifetime, KV-memory admission,
+the step loop: schedule, run, postprocess), the scheduler (scheduler.py: the host side of a call, continuous
+batching, when rows compress; it returns work orders, orders.py), the runner (runner.py: the device side, built once
+and reused: the cache, the decode step captured as CUDA graphs, the compressor); every row's state has one owner
+(rows.py). Decode steps (step.py) never wait for the device; compactions (compressor.py) run between steps.
 
 KV bound. Compression on: a row holds at most (the largest layer budget) + buffer slots at any time, during prefill
 too (prompts longer than that are prefilled in chunks with compressions in between). Compression off (or a budget
 above the longest possible sequence): the cache holds the whole sequence, exactly like dense decoding.
 Memory: given `kv_cache_gib` (or `mem_fraction` of the free memory), as many sequences at once as fit with every
-working set (rows' KV and state, the largest of a step's, a prefill's and a compaction's temporaries: one count,
-kv/engine_memory.py), so compression becomes concurrency. A `memory_saver` engine gives that memory back between
-rollouts and keeps its CUDA graphs (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
+working set (kv/engine_memory.py), so compression becomes concurrency. A `memory_saver` engine gives that memory back
+between rollouts and keeps its CUDA graphs (`release_memory` / `resume_memory`, --offload-rollout; arena.py).
 
 Random streams: sample i of a call seeded `seed` draws its t-th token with the Gumbel noise of
-counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`), so its tokens do not depend on the batch it runs
-in, on the step mode, or on how a call is split across engines.
+counter_stream(derive_seed(seed, i), t) (`sampling.sample_tokens`): its tokens depend on neither the batch it runs
+in, nor the step mode, nor how a call is split across engines.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-from slime_sparse.kv import KVCompressConfig, engine_memory, layer_budgets, row_capacity, trigger
+from slime_sparse.kv import KVCompressConfig, engine_memory, layer_budgets, row_capacity
 from slime_sparse.rollout.base import KVView, WeightSource
 from slime_sparse.rollout.partial import GroupStop, PartialSpec
 from slime_sparse.rollout.sampling import SamplingParams, derive_seed, enable_kernel
@@ -42,10 +41,11 @@ from .contract import check_model, eos_ids
 from .decode_body import DecodeBody, build as build_body
 from .prompts import LONG_PROMPT_POLICIES, check_prompts
 from .runner import ModelRunner, RunnerShape
-from .scheduler import Scheduler
+from .rows import Rows, check_rows_default
+from .scheduler import Scheduler, SchedulerConfig
 from .sequence import KVTraceRecord, Sequence
 from .step import STEP_MODES
-from .table import GenerateStats
+from .stats import GenerateStats
 from .weights import copy_weights
 
 DEFAULT_MAX_BATCH_SIZE = 64  # sequences at once when no memory size is given
@@ -82,6 +82,8 @@ class EmbeddedEngine:
       self-check against SDPA) or "sdpa" (a mask over the padded span; the default elsewhere).
     hf_decode: decode through HF's modules (as prefill does), not our decode body (decode_body.py; Qwen2 / Llama:
       other models always use HF's modules, `decode_body_reason` says why).
+    check_rows: after every decode window, assert the host's row table and the device agree (rows.py; a host sync, for
+      debugging and tests). None: the SLIME_SPARSE_CHECK_ROWS environment variable.
     """
 
     def __init__(
@@ -103,6 +105,7 @@ class EmbeddedEngine:
         memory_saver: bool = False,
         decode_attention: str | None = None,
         hf_decode: bool = False,
+        check_rows: bool | None = None,
     ) -> None:
         self.kv = kv if kv is not None else KVCompressConfig()
         if max_batch_size is not None and max_batch_size < 1:
@@ -138,9 +141,9 @@ class EmbeddedEngine:
             else DEFAULT_MAX_BATCH_SIZE
         self.memory_saver = memory_saver
         self.runner_builds = 0  # runners built so far (each allocates a cache; with graphs, captures them anew)
-        self.max_prompt_len = max_prompt_len
-        self.on_long_prompt = on_long_prompt
+        self.max_prompt_len, self.on_long_prompt = max_prompt_len, on_long_prompt
         self.kv_trace = kv_trace
+        self.check_rows = check_rows_default() if check_rows is None else check_rows
         self.num_skipped_prompts = 0  # cumulative over calls (on_long_prompt="skip")
         self.last_stats = GenerateStats()  # what the last generate() call did
         self._weight_version = 0
@@ -161,11 +164,9 @@ class EmbeddedEngine:
         return self._weight_version
 
     def update_weights(self, state_dict: Mapping[str, Tensor], version: int | None = None) -> None:
-        """Copy new weights into the model's tensors in place (no rebuild) and bump weight_version.
-
-        Every parameter/buffer of the model must be provided, except aliases of a provided tensor (a tied
-        LM head). Tensors are cast to the model's dtype and device (weights.py).
-        """
+        """Copy new weights into the model's tensors in place (no rebuild) and bump weight_version. Every parameter /
+        buffer must be provided, except aliases of a provided tensor (a tied LM head); each is cast to the model's dtype
+        and device (weights.py)."""
         copy_weights(self.model, state_dict)
         self._weight_version = self._weight_version + 1 if version is None else int(version)
 
@@ -227,9 +228,8 @@ class EmbeddedEngine:
 
     def _generate(self, sequences: list[Sequence], params: SamplingParams, kv: KVCompressConfig,
                   outputs: list[GenerationOutput | None], stop: GroupStop | None = None) -> None:
-        context = self.model.config.max_position_embeddings
+        context, n_layers = self.model.config.max_position_embeddings, self.model.config.num_hidden_layers
         longest = min(max(len(s.prompt) for s in sequences) + params.max_new_tokens, context)
-        n_layers = self.model.config.num_hidden_layers
         budgets = layer_budgets(kv, n_layers) if kv.enabled else (kv.budget,) * n_layers
         prefill = max(len(s.prefill_tokens) for s in sequences)  # a continuation prefills its response so far too
         shape = self._runner_shape(kv, longest, len(sequences), prefill, params)
@@ -247,10 +247,13 @@ class EmbeddedEngine:
         stats = self.last_stats = GenerateStats(kv_cache_bytes=runner.cache.kv_bytes, rows=runner.cache.num_rows,
                                                 slots=runner.cache.capacity)
         captures = runner.captures
-        # capacity: the slots a row may fill before it must compress (every layer holds that many before the first)
-        Scheduler(runner, kv, params, deque(sequences), budgets, trigger(kv), row_capacity(kv, longest),
-                  set(params.stop_token_ids) | (set() if params.ignore_eos else eos_ids(self.model)), context,
-                  self._weight_version, stats, self.kv_trace, stop, max_running=shape.rows).run(outputs)
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else eos_ids(self.model))
+        config = SchedulerConfig(kv, params, budgets, row_capacity(kv, longest), context, stop_ids,
+                                 self._weight_version, shape.rows)
+        scheduler = Scheduler(config, Rows(runner.cache, runner.state, params.max_new_tokens, self.check_rows),
+                              runner.step_shape, deque(sequences), outputs, stats, self.kv_trace, stop)
+        while (order := scheduler.schedule()) is not None:  # nano-vllm's LLMEngine.step: schedule, run, postprocess
+            scheduler.postprocess(order, runner.run(order))
         stats.captures = runner.captures - captures
 
     def _runner_shape(self, kv: KVCompressConfig, longest: int, sequences: int, prompt: int | None = None,

@@ -20,9 +20,12 @@ from slime_sparse.utils.model_shape import ModelShape
 
 from .arena import new_arena
 from .cache import BudgetKVCache
-from .compressor import Compressor, PackedBits, to_host, to_device
+from .compressor import Compressor
+from .graphs import CapturedGraphs
+from .orders import Compact, Decode, Prefill, ReadTokens, SampleFirst, WorkOrder
 from .plan import build_plan
-from .step import CapturedGraphs, DecodeState, DecodeStep, decode_shapes
+from .step import DecodeState, DecodeStep, StepShape, decode_shapes
+from .transfer import to_device, to_host
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,12 @@ def row_bytes(model_config, kv: KVCompressConfig, capacity: int, dtype: torch.dt
     """Device bytes one row holds for its whole life (keys, values, positions, the query ring, attention mass, its
     decode state): `kv.engine_memory.row_bytes` of an HF config. Admission counts the working sets too
     (`EmbeddedEngine.memory_spec`)."""
-    return engine_memory.row_bytes(ModelShape.from_hf_config(model_config.to_dict()), kv, capacity,
-                                   torch.empty((), dtype=dtype).element_size())
+    return engine_memory.row_bytes(model_shape(model_config), kv, capacity, torch.empty((), dtype=dtype).element_size())
+
+
+def model_shape(model_config) -> ModelShape:
+    """The model's dimensions (head_dim among them: `head_dim`, else hidden / heads), read from an HF config once."""
+    return ModelShape.from_hf_config(model_config.to_dict())
 
 
 class ModelRunner:
@@ -55,14 +62,13 @@ class ModelRunner:
                  decode_attention: str = "sdpa", releasable: bool = False) -> None:
         """releasable: the cache's memory will be given back between calls with its graphs kept (`release`): on
         CUDA with graphs, the cache then lives at fixed virtual addresses (arena.py)."""
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dims = model_shape(model.config)
         kv = shape.kv
         self.shape, self.device, self.logits = shape, device, logits
         self.arena = new_arena(device, releasable, shape.mode)
         self.cache = BudgetKVCache(
-            num_rows=shape.rows, num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-            num_q_heads=cfg.num_attention_heads, head_dim=head_dim, capacity=shape.capacity, window=kv.window,
+            num_rows=shape.rows, num_layers=dims.num_layers, num_kv_heads=dims.num_kv_heads,
+            num_q_heads=dims.num_heads, head_dim=dims.head_dim, capacity=shape.capacity, window=kv.window,
             record_queries=kv.traits.needs_queries, track_mass=kv.traits.tracks_mass, device=device,
             dtype=model.dtype, shared_fill=len(set(budgets)) == 1, zeros=self.arena.zeros)
         self.cache.decode_backend = decode_attention
@@ -71,6 +77,27 @@ class ModelRunner:
         self.step = DecodeStep(model, self.cache, self.state, logits, shape.mode, self.graphs, decode_body)
         self.compressor = Compressor(self.cache, kv, budgets, self.graphs) if kv.enabled else None
         self.buckets, self.span_granularity = decode_shapes(shape.mode, shape.rows)
+
+    @property
+    def step_shape(self) -> StepShape:
+        record = self.compressor
+        return StepShape(tuple(self.buckets), self.span_granularity, self.shape.readback,
+                         record.record_shape if record else None, record.record_budgets if record else None)
+
+    def run(self, order: WorkOrder):
+        """Run one of the scheduler's work orders on the device; its result (orders.py says which)."""
+        if isinstance(order, Decode):
+            return self.step(order.bucket, order.spans, order.params)
+        if isinstance(order, Compact):
+            return self.compressor(order.rows, order.sizes, order.m, order.bucket if self.graphs is not None else None)
+        if isinstance(order, Prefill):
+            return self.prefill(order.first, order.chunks, order.positions, order.fills)
+        if isinstance(order, SampleFirst):
+            logits = order.logits[torch.tensor(order.batch, device=order.logits.device)]
+            return self.sample_first(order.rows, logits, order.params, order.positions, order.keys)
+        if isinstance(order, ReadTokens):
+            return self.readback(order.n, order.steps)
+        raise TypeError(f"not a work order: {order!r}")
 
     @property
     def captures(self) -> int:
@@ -115,12 +142,6 @@ class ModelRunner:
         return tokens.tolist(), logprobs.tolist()
 
     # ---- decode ----
-    def decode(self, n: int, spans: tuple[int, ...], params: SamplingParams) -> None:
-        self.step(n, spans, params)
-
-    def compress(self, rows: list[int], sizes: tuple[int, ...], m: int, bucket: int | None = None) -> PackedBits:
-        return self.compressor(rows, sizes, m, bucket if self.graphs is not None else None)
-
     def readback(self, n: int, steps: int) -> tuple[Tensor, Tensor, "torch.cuda.Event | None"]:
         """Copy the tokens and log-probs of the last `steps` decode steps of rows [0, n) to the host without waiting,
         and start a new window; the event (CUDA) says when the copies are done."""
@@ -132,15 +153,3 @@ class ModelRunner:
             event.record()
         st.column.zero_()
         return tokens, logprobs, event
-
-    # ---- rows (between steps) ----
-    def reset_row(self, row: int) -> None:
-        self.cache.reset_row(row)
-
-    def park_row(self, row: int) -> None:
-        self.cache.park_row(row)
-
-    def copy_row(self, src: int, dst: int, held: int, with_state: bool = False) -> None:
-        self.cache.copy_row(src, dst, held)
-        if with_state:
-            self.state.copy_row(src, dst)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -149,3 +149,14 @@ class Readback:
     tokens: Tensor  # [n, steps]
     logprobs: Tensor
     event: "torch.cuda.Event | None"
+
+    def hand_out(self) -> Iterator[tuple[Sequence, int, float]]:
+        """Each sequence's tokens of the window in order, up to its end (`finished`, read before each token: the
+        consumer appends them), once the copies are done."""
+        if self.event is not None:
+            self.event.synchronize()
+        for seq, tokens, logprobs in zip(self.sequences, self.tokens.tolist(), self.logprobs.tolist()):
+            for token, logprob in zip(tokens, logprobs):
+                if seq.finished:
+                    break
+                yield seq, token, logprob

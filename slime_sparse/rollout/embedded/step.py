@@ -11,10 +11,8 @@ with eviction kept on: compaction runs between steps, as a graph of its own; see
 """
 from __future__ import annotations
 
-import inspect
-import logging
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -22,13 +20,10 @@ from torch import Tensor, nn
 from slime_sparse.kv.engine_memory import SPAN_GRANULARITY
 from slime_sparse.rollout.sampling import SamplingParams, sample_tokens
 
-from .attention import CACHE_KWARG
+from .attention import CACHE_KWARG, NO_MASK, cache_keyword
 from .cache import BudgetKVCache, DecodeView
+from .graphs import CapturedGraphs
 
-logger = logging.getLogger(__name__)
-# No mask: for an attention function registered only with AttentionInterface (not AttentionMaskInterface),
-# transformers builds none (masking_utils' early exit for custom attention); ours reads its mask from the cache.
-NO_MASK = None
 # cuda_graph_compile: the step compiled by inductor (its own cudagraphs off) and captured in our graphs (SGLang's
 # torch.compile + hand-captured graphs): kernels fused and launched from one graph replay
 STEP_MODES = ("eager", "compile", "cuda_graph", "cuda_graph_compile")
@@ -68,46 +63,6 @@ class DecodeState:
             tensor[dst] = tensor[src]
 
 
-class CapturedGraphs:
-    """CUDA graphs captured on first use of a key and replayed after (`run`), all in one memory pool (the steps and
-    compactions they hold never overlap). The first call of a key runs the function eagerly on a side stream (a real
-    step, and the warm-up of its kernels: lazy initialisation, e.g. of cuBLAS workspaces, must not happen during the
-    capture, PyTorch's recipe), then captures it without running it. A key whose capture fails runs eagerly from then
-    on, with one warning: graphs are a speed-up, never a reason to stop."""
-
-    def __init__(self) -> None:
-        self._graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, object]] = {}
-        self._eager: set[Hashable] = set()
-        self._pool = None
-        self.captures = 0
-
-    def run(self, key: Hashable, fn: Callable[[], object]) -> object:
-        if key in self._graphs:
-            graph, out = self._graphs[key]
-            graph.replay()
-            return out
-        if key in self._eager:
-            return fn()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            out = fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: CUDA work of other threads (a weight-sync or logging thread) must not void the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                captured = fn()
-        except RuntimeError as err:
-            logger.warning("CUDA graph capture of %s failed, running it eagerly: %s", key, err)
-            self._eager.add(key)
-            return out
-        self._pool = self._pool or graph.pool()
-        self._graphs[key] = (graph, captured)
-        self.captures += 1
-        return out
-
-
 class DecodeStep:
     """`step(n, spans, params)`: one decode step over rows [0, n), eager, compiled, or replayed from a CUDA graph.
     `decode_body`: our decode body (decode_body.py) for the step's forward; None: HF's body (prefill always is)."""
@@ -118,7 +73,7 @@ class DecodeStep:
         if mode not in STEP_MODES:
             raise ValueError(f"decode step mode {mode!r} is invalid: choose one of {STEP_MODES}")
         self.body = model.base_model  # the body under the LM head (contract.py)
-        self.cache_kwarg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
+        self.cache_kwarg = cache_keyword(self.body)
         self.cache, self.state, self.logits = cache, state, logits
         self.decode_body = decode_body
         self.mode = mode
@@ -159,6 +114,18 @@ class DecodeStep:
         st.counters[:n].add_(1)
         st.column.add_(1)
         cache.end_decode()
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What the scheduler plans a call's steps with (`ModelRunner.step_shape`): the row counts decode steps and
+    compactions pad to, the span granularity, the readback window; and what the eviction record stores."""
+
+    buckets: tuple[int, ...]
+    span_granularity: int
+    readback: int
+    record_shape: tuple[int, int, int] | None  # (layers, heads, largest budget); None: compression off
+    record_budgets: tuple[int, ...] | None
 
 
 def decode_shapes(mode: str, max_rows: int) -> tuple[list[int], int]:

@@ -4,7 +4,7 @@ import torch
 from slime_sparse.rollout.embedded.attention import decode_attention, grouped_attention
 from slime_sparse.rollout.embedded.cache import BudgetKVCache, DecodeView
 from slime_sparse.rollout.embedded.plan import build_plan
-from slime_sparse.rollout.embedded.scheduler import RowTable
+from slime_sparse.rollout.embedded.table import RowTable
 
 L, HKV, HQ, D, CAP, WIN = 2, 2, 4, 4, 10, 3
 CPU = torch.device("cpu")

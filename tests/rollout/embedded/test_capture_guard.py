@@ -44,7 +44,7 @@ def test_capture_guard_decode_step_and_compaction(method):
     groups = {capacity: [0, 1]}
     with torch.inference_mode(), budget_attention_installed(model):
         for params in (SamplingParams(temperature=1.0, top_p=0.9, top_k=20), SamplingParams(temperature=0.0)):
-            guarded(lambda: runner.decode(ROWS, (capacity, capacity), params)).check()
+            guarded(lambda: runner.step(ROWS, (capacity, capacity), params)).check()
         guard = guarded(lambda: runner.compressor._compact(rows, groups, WINDOW))
     guard.check()
 
@@ -52,7 +52,7 @@ def test_capture_guard_decode_step_and_compaction(method):
 def test_capture_guard_dense_decode_step():
     model, runner = meta_runner(KVCompressConfig())
     with torch.inference_mode(), budget_attention_installed(model):
-        guarded(lambda: runner.decode(3, (16, 16), SamplingParams(temperature=1.0))).check()
+        guarded(lambda: runner.step(3, (16, 16), SamplingParams(temperature=1.0))).check()
 
 
 def test_the_guard_catches_what_breaks_a_capture():

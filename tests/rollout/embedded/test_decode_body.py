@@ -198,9 +198,9 @@ def test_capture_guard_decode_step_through_the_body(kv, attention):
     runner.cache.decode_backend = attention
     with torch.inference_mode(), budget_attention_installed(model):
         for params in (SamplingParams(temperature=0.7, top_p=0.9, top_k=20), SamplingParams(temperature=0.0)):
-            runner.decode(4, (24, 24), params)  # the capture's eager warm-up
+            runner.step(4, (24, 24), params)  # the capture's eager warm-up
             with CaptureGuard(META) as guard:
-                runner.decode(4, (24, 24), params)
+                runner.step(4, (24, 24), params)
             guard.check()
 
 
@@ -208,9 +208,9 @@ def ops_per_step(body: bool, layers: int) -> int:
     model, runner = meta_runner(KVCompressConfig(), layers, body)
     params = SamplingParams(temperature=1.0)
     with torch.inference_mode(), budget_attention_installed(model):
-        runner.decode(4, (24,) * layers, params)
+        runner.step(4, (24,) * layers, params)
         with OpCounter() as counter:
-            runner.decode(4, (24,) * layers, params)
+            runner.step(4, (24,) * layers, params)
     return counter.total
 
 
