@@ -93,6 +93,8 @@ for name in sorted({n.split(".")[0] for n in sys.modules}):
     where = getattr(mod, "__file__", None) or next(iter(getattr(mod, "__path__", []) or []), None)
     if name in sys.stdlib_module_names or where is None or name in project or name == "sglang":
         continue
+    if name.endswith("__mypyc"):  # a compiled wheel's runtime, named by its build's hash: no import of SGLang's
+        continue
     where = os.path.realpath(where)
     if where.startswith(os.path.realpath(deps) + os.sep):
         found[name] = {"from": "deps", "dist": dep_dists.get(name, "?")}

@@ -169,18 +169,27 @@ def run_kvpress(out: Path, *args: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.kvpress
 def test_golden_file_is_what_kvpress_computes(tmp_path, golden):
+    """kvpress's decisions (kept sets, layer budgets) must equal the file's bit for bit; the tiny model's keys and
+    queries only to float32 rounding: the CPU's vector width changes the forward's last bits (the file was made on
+    an Intel Xeon; an AVX2 AMD EPYC gives layers 1-4 keys that differ by <= 1.2e-7, layer 0 equal, #45). Our
+    selection is then compared with kvpress on the keys this machine computed, so the check holds on any CPU."""
     fresh = run_kvpress(tmp_path / "oracle.pt")
     assert fresh.keys() == golden.keys()
     for n, prompt in golden["prompts"].items():
         for part in ("keys", "queries"):
-            assert all(torch.equal(a, b) for a, b in zip(fresh["prompts"][n][part], prompt[part])), (n, part)
+            for layer, (a, b) in enumerate(zip(fresh["prompts"][n][part], prompt[part])):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"{(n, part, layer)}: {m}")
     assert len(fresh["cases"]) == len(golden["cases"])
     for a, b in zip(fresh["cases"], golden["cases"]):
         assert [a[k] for k in ("method", "n", "ratio", "beta")] == [b[k] for k in ("method", "n", "ratio", "beta")]
         assert torch.equal(a["kept"], b["kept"]), (a["method"], a["n"], a["ratio"], a["beta"])
     assert fresh["layer_budget"] == golden["layer_budget"]
-    assert all(torch.equal(a, b) for a, b in zip(fresh["keydiff_decode"]["keys"], golden["keydiff_decode"]["keys"]))
+    for a, b in zip(fresh["keydiff_decode"]["keys"], golden["keydiff_decode"]["keys"]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert torch.equal(fresh["keydiff_decode"]["kept"], golden["keydiff_decode"]["kept"])
+    for method in METHODS:
+        assert len(check_kept_sets(fresh, method)) == 9 * (2 if method == "pyramidkv" else 1), method
+    check_keydiff_decode(fresh)
 
 
 @pytest.mark.slow
