@@ -203,7 +203,7 @@ def classify(record: dict) -> str:
     if point == "engine.step":
         if "evaluate_modes" in stack:
             return "evaluation (generation)"
-        if "run_rollout" in stack or "async_loop" in stack:  # --async: the rollout thread
+        if "call_rollout_fn" in stack:  # the train rollout: in the loop, or in --async's rollout thread
             return "rollout (generation)"
         return "generation (engine actor)"
     return {
