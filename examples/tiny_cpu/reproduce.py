@@ -17,7 +17,7 @@ commit; nothing else in the READMEs changes. Parts:
 
 What holds where. REGIME, the paper's regime (rejection <= 15 %, KV saved >= 35 %, both greedy accuracies raised), is
 the claim that holds on any machine: every seed must meet it, on every CPU. The digits do not: another CPU model or
-torch build rounds the warm start's float sums differently, and its 600 steps at lr 3e-3 amplify that into another
+torch build rounds the warm start's float sums differently, and its 400 steps at lr 3e-3 amplify that into another
 starting model (a start of 0.234 on one Xeon, 0.367 on one EPYC), so the READMEs state ranges over seeds and name
 the machine. On the stamped machine type (`fingerprint`: CPU model, threads, torch) every digit of the seed-1 table
 reproduces (tests/e2e/test_readme_numbers.py checks both, `pytest -m slow`).
@@ -143,6 +143,12 @@ def regime_problems(rows: dict[int, dict[str, tuple[float, float]]]) -> list[str
     return out
 
 
+def value_range(values, fmt: str) -> str:
+    """`lo-hi` of the values as `fmt` prints them; one number when both ends print the same."""
+    lo, hi = f"{min(values):{fmt}}", f"{max(values):{fmt}}"
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
 def seeds_table(rows: dict[int, dict[str, tuple[float, float]]]) -> str:
     """Markdown: per seed, start -> end of the headline rows; the last line the range over seeds."""
     cols = ((DENSE_ACC, "dense acc.", ".3f"), (SPARSE_ACC, "sparse acc.", ".3f"), (SAVED, "KV saved", ".3f"),
@@ -150,11 +156,9 @@ def seeds_table(rows: dict[int, dict[str, tuple[float, float]]]) -> str:
     lines = ["| seed | " + " | ".join(c[1] for c in cols) + " |", "| --- |" + " --- |" * len(cols)]
     for seed, table in sorted(rows.items()):
         lines.append(f"| {seed} | " + " | ".join(f"{table[k][0]:{f}} -> {table[k][1]:{f}}" for k, _, f in cols) + " |")
-
-    def span(values, f):
-        return f"{min(values):{f}}-{max(values):{f}}"
-    lines.append("| range | " + " | ".join(f"{span([t[k][0] for t in rows.values()], f)} -> "
-                                          f"{span([t[k][1] for t in rows.values()], f)}" for k, _, f in cols) + " |")
+    lines.append("| range | " + " | ".join(f"{value_range([t[k][0] for t in rows.values()], f)} -> "
+                                          f"{value_range([t[k][1] for t in rows.values()], f)}" for k, _, f in cols)
+                 + " |")
     return "\n".join(lines)
 
 
@@ -227,8 +231,7 @@ def write_main(seeds: dict[int, dict], dense: dict | None, m: dict[str, str],
         write_block(path, "main-table", "```\n" + first["table"] + "\n```")
 
     def span(label: str, end: int) -> str:
-        values = [rows[s][label][end] for s in MAIN_SEEDS]
-        return f"{min(values):.2f}-{max(values):.2f}"
+        return value_range([rows[s][label][end] for s in MAIN_SEEDS], ".2f")
     seeds_block = "\n".join([
         f"Seeds 1-3 (`-- --seed N`), start -> end (accuracies: first and last evaluation, 128 held-out prompts; the "
         f"rest: mean of the first and last quarter of the rollouts), on {where}:", "", seeds_table(rows), "",
@@ -242,7 +245,7 @@ def write_main(seeds: dict[int, dict], dense: dict | None, m: dict[str, str],
     write_block(TINY_README, "main-time", (
         f"Time of the first run (assets built from nothing): **{first['cpu']:.0f} s CPU**, {first['wall']:.0f} s wall; "
         f"the warm start {first['assets_cpu']:.0f} s CPU of it. With the warm start cached (seeds 2 and 3): "
-        f"{min(cached):.0f}-{max(cached):.0f} s CPU. {stamp(m, command)} On a loaded "
+        f"{value_range(cached, '.0f')} s CPU. {stamp(m, command)} On a loaded "
         "machine the wall time grows and the CPU time less so."))
     write_block(MAIN_README, "headline", (
         f"over seeds 1-3, Sparse-RL raises greedy accuracy under dense inference from {span(DENSE_ACC, 0)} to "
@@ -250,8 +253,9 @@ def write_main(seeds: dict[int, dict], dense: dict | None, m: dict[str, str],
         f"{span(SAVED, 1)} of the KV tokens out of memory and rejects {span(REJECTED, 1)} of the sequences, "
         f"on {m['cpu']}, torch {m['torch']}; the digits are that machine's, the regime holds on any"))
     write_block(MAIN_README, "main-time", (
-        f"{first['cpu'] / 60:.1f} minutes of CPU time, warm start included ({min(cached) / 60:.1f}-"
-        f"{max(cached) / 60:.1f} with it cached; {first['wall'] / 60:.1f} minutes of wall time on {m['cores']} cores at "
+        f"{first['cpu'] / 60:.1f} minutes of CPU time, warm start included ("
+        f"{value_range([c / 60 for c in cached], '.1f')} with it cached; {first['wall'] / 60:.1f} minutes of wall time "
+        f"on {m['cores']} cores at "
         f"load average {m['load'].split()[0]}, {m['cpu']}, {m['date']})"))
     return problems
 

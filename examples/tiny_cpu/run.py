@@ -51,21 +51,21 @@ VARIANTS: dict[str, list[str]] = {
 }
 PAPER_VARIANTS = ["dense", "naive_sparse", "sparse_rl", "sparse_rl_paper"]  # the study's default rows
 
-# The tasks' defaults: a ~0.6M-parameter Qwen2 warm-started for 600 steps on demonstrations of which 55 % give
+# The tasks' defaults: a ~0.6M-parameter Qwen2 warm-started for 400 steps on demonstrations of which 55 % give
 # the bare answer ("#70") instead of the worked countdown (and a quarter are trained under a prompt + recent
 # window mask). The model imitates both: greedy decoding answers bare for ~3/4 of the prompts, a guess that is
 # rarely right, while its scratchpad is right most of the time. What GRPO has to learn is real: write the
 # scratchpad, and write it without slips (temperature-1 accuracy of the scratchpad itself also rises).
 ASSETS = AssetsConfig()
 
-# Worked answers are 35-85 tokens; R-KV keeps 24 of them (+ a buffer of 2, window 8): ~37 % of the KV tokens of
-# a rollout stay out of memory while `mis` rejects ~7-14 % of the sequences, the paper's regime (35-53 % saved, ~7 %
-# rejected). Budget 16 saves ~48 % but rejects ~half of the sequences by the end: a budget too small (the ablations).
-# 12 rollouts: the policy learns within the first 5; the run costs about a third of the CPU of 20 with a KL term.
+# Worked answers are 35-85 tokens; R-KV keeps 20 of them (+ a buffer of 2, window 8): ~45 % of the KV tokens of
+# a rollout stay out of memory while `mis` rejects ~5-10 % of the sequences, the paper's regime (35-53 % saved, ~7 %
+# rejected). Budget 16 saves ~53 % but rejects ~16-18 % and sparse accuracy stays flat: a budget too small (the
+# ablations). 12 rollouts: the policy learns within the first 5.
 RECIPE = [
     "--rollout-batch-size", "16", "--n-samples-per-prompt", "8", "--global-batch-size", "32",
     "--rollout-max-response-len", "96", "--rollout-temperature", "1.0", "--rollout-max-batch-size", "128",
-    "--kv-budget", "24", "--kv-buffer", "2", "--kv-window", "8",
+    "--kv-budget", "20", "--kv-buffer", "2", "--kv-window", "8",
     "--lr", "3e-5", "--weight-decay", "0.0", "--adam-beta2", "0.98", "--clip-grad", "1.0", "--eps-clip", "0.2",
     "--num-rollout", "12", "--eval-interval", "6", "--save-interval", "6", "--seed", "1",
     "--n-samples-per-eval-prompt", "1", "--eval-max-prompts", "128", "--rm-num-workers", "0",

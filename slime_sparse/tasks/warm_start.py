@@ -17,7 +17,7 @@ Cost: each batch mixes bare answers (~13 tokens) and worked ones (up to ~95), so
 half its work on padding; the rows are run in a few micro-batches of similar length instead (`length_groups`),
 with the loss summed over all of them and divided by the batch's token count once: the same batch, loss and
 gradient, ~40 % less compute. It runs on one thread by default (`threads`): a multi-threaded backward splits its
-float sums by the core count, and 600 steps at lr 3e-3 amplify the rounding into another model (greedy accuracy
+float sums by the core count, and hundreds of steps at lr 3e-3 amplify the rounding into another model (greedy accuracy
 0.13 on one thread against 0.33 on two, measured), so the assets would depend on the machine's cores.
 It is resumable: with `checkpoint` it saves its whole state every `checkpoint_every` steps and a rerun continues
 from there to the same weights.
@@ -50,7 +50,7 @@ class WarmStartConfig:
     weights on a machine of any core count.
     """
 
-    steps: int = 600
+    steps: int = 400  # #45: 600 steps cost the main job its 3 CPU minutes (docs/tiny_recipe_history.md)
     batch_size: int = 32
     lr: float = 3e-3
     min_lr_ratio: float = 0.05  # cosine decay ends at lr * min_lr_ratio
@@ -245,7 +245,7 @@ def _train(model, data: list[Encoded], pad_id: int, config: WarmStartConfig, log
     order: list[int] = []
     device = next(model.parameters()).device
     # foreach: one call per update op over all tensors, the per-tensor loop's arithmetic bit for bit (a CPU step
-    # 5.7 ms against 7.9; the 600-step warm start's weights equal the per-tensor loop's, checked)
+    # 5.7 ms against 7.9; a 600-step warm start's weights equal the per-tensor loop's, checked)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay, foreach=True
     )
