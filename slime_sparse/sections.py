@@ -36,8 +36,8 @@ class TrainConfig:
         "samples per optimizer step; rollout samples / this = steps per rollout (slime: required); 256 here, the "
         "paper's")})
     use_dynamic_batch_size: bool | None = field(default=None, metadata={"help": (
-        "micro-batches packed up to --max-tokens-per-gpu (padded) tokens, as in slime; off: --micro-batch-size "
-        "samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one sample per micro-batch; "
+        "micro-batches of similar length up to --max-tokens-per-gpu (padded) tokens, as in slime; off: "
+        "--micro-batch-size samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one sample per micro-batch; "
         "here on because packing gives the same gradients with fewer forward passes)")})
     max_tokens_per_gpu: int = field(default=16384, metadata={"help": (
         "token budget of a micro-batch under dynamic batching, counted padded (rows x longest row: our learners "

@@ -329,7 +329,9 @@ def test_micro_batch_size_and_dynamic_batch_size(base, flags, batching):
 def test_micro_batching_splits(base):
     lengths = [5, 9, 3, 7, 4]
     assert MicroBatching(max_tokens=None, micro_batch_size=2).split(lengths) == [[0, 1], [2, 3], [4]]
-    assert MicroBatching(max_tokens=18).split(lengths) == [[0, 1], [2, 3], [4]]  # padded: rows x longest <= 18
+    # by length, each within 18 padded tokens (rows x longest), cut where that saves more padding than 18 / 64
+    assert MicroBatching(max_tokens=18).split(lengths) == [[2], [4], [0], [3], [1]]
+    assert MicroBatching(max_tokens=1024).split([40, 41, 90, 91]) == [[0, 1], [2, 3]]
     assert MicroBatching(max_tokens=None).split(lengths) == [[0], [1], [2], [3], [4]]
     refused(base, "--micro-batch-size", "0", match="--micro-batch-size=0 is invalid")
 

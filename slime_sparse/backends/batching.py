@@ -5,15 +5,17 @@ Pure functions over lengths, shared by every learner backend.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
+from typing import Sequence
 
 
 @dataclass(frozen=True)
 class MicroBatching:
     """How a learner splits a step's samples into micro-batches (for training and for the dense log-prob
-    recompute), slime's two modes: dynamic (`--use-dynamic-batch-size`), greedy packs of at most `max_tokens`
-    padded tokens (`--max-tokens-per-gpu`); fixed, `micro_batch_size` samples each (`--micro-batch-size`).
-    Gradients are the same either way (the loss is normalised by the step's global counts)."""
+    recompute), slime's two modes: dynamic (`--use-dynamic-batch-size`), micro-batches of similar length of at most
+    `max_tokens` padded tokens (`--max-tokens-per-gpu`; `length_groups`); fixed, `micro_batch_size` samples each
+    (`--micro-batch-size`). Gradients are the same either way (the loss is normalised by the step's global counts)."""
 
     max_tokens: int | None = 16384  # None: fixed micro-batches
     micro_batch_size: int = 1
@@ -23,32 +25,44 @@ class MicroBatching:
             raise ValueError(f"micro-batch sizes must be > 0, got {self}")
 
     def split(self, lengths: list[int]) -> list[list[int]]:
-        """Indices of each micro-batch, in input order."""
+        """Indices of each micro-batch (dynamic: shortest rows first; fixed: in input order)."""
         if self.max_tokens is not None:
-            return pack_by_tokens(lengths, self.max_tokens)
+            return length_groups(lengths, self.max_tokens * DYNAMIC_OVERHEAD, self.max_tokens)
         size = self.micro_batch_size
         return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
 
 
-def pack_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy micro-batches (in input order) whose padded size `len(batch) * max(len)` fits `max_tokens`.
+# What one more micro-batch costs beyond its tokens (the model's Python, kernel launches), as a share of the
+# micro-batch budget in padded tokens: a split pays when it saves more padding than that. 1/64 of the default
+# 16384 is 256 tokens, the cost measured for the tiny model on a 2-core CPU (the warm start's constant).
+DYNAMIC_OVERHEAD = 1 / 64
 
-    A sample longer than the budget gets a micro-batch of its own rather than being dropped.
-    """
-    if max_tokens <= 0:
+
+def length_groups(lengths: Sequence[int], overhead: float, max_tokens: int | None = None) -> list[list[int]]:
+    """Row indices split into micro-batches of similar length: rows sorted by length, cut where the padded tokens
+    (rows x the longest row of each part) plus `overhead` per part are fewest (dynamic programming over the cuts),
+    no part over `max_tokens` padded tokens (a row longer than that gets a part of its own).
+
+    A right-padded batch spends rows x (longest - own length) on padding: on RL responses of mixed length, half of
+    it; parts of similar length waste little (the tiny recipe's learner steps: ~40 % less CPU)."""
+    if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i, n in enumerate(lengths):
-        if current and (len(current) + 1) * max(longest, n) > max_tokens:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, n)
-    if current:
-        batches.append(current)
-    return batches
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    n = len(order)
+    best = [0.0] + [math.inf] * n  # best[j]: cheapest split of the j shortest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]  # the last part holds sorted rows i..j-1, padded to this one
+        rows = j if max_tokens is None else max(1, max_tokens // max(1, longest))
+        for i in range(max(0, j - rows), j):
+            cost = best[i] + (j - i) * longest + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    parts, j = [], n
+    while j > 0:
+        parts.append(order[cut[j]:j])
+        j = cut[j]
+    return parts[::-1]
 
 
 def balance_by_tokens(lengths: list[int], n_parts: int) -> list[list[int]]:

@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from slime_sparse.backends.batching import length_groups
 from slime_sparse.utils.logging import progress_bar
 from slime_sparse.utils.threads import torch_threads
 
@@ -192,25 +193,6 @@ def response_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tor
 _GROUP_OVERHEAD_TOKENS = 256
 
 
-def length_groups(lengths: Sequence[int], overhead: int = _GROUP_OVERHEAD_TOKENS) -> list[list[int]]:
-    """Row indices split into micro-batches of similar length: rows sorted by length, cut where the padded tokens
-    (rows x longest row of each part) plus `overhead` per part are fewest (dynamic programming over the cuts)."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    n = len(order)
-    best = [0.0] + [math.inf] * n  # best[j]: cheapest split of the j shortest rows
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):  # the last part holds sorted rows i..j-1, padded to the longest, order[j-1]
-            cost = best[i] + (j - i) * lengths[order[j - 1]] + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
-    parts, j = [], n
-    while j > 0:
-        parts.append(order[cut[j]:j])
-        j = cut[j]
-    return parts[::-1]
-
-
 def warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -305,7 +287,7 @@ def _train(model, data: list[Encoded], pad_id: int, config: WarmStartConfig, log
             optimizer.zero_grad(set_to_none=True)
             count = sum(len(r) for _, r in rows)  # the batch's labelled tokens: every part divides by all of them
             loss_value = 0.0
-            for part in length_groups([len(p) + len(r) for p, r in rows]):
+            for part in length_groups([len(p) + len(r) for p, r in rows], _GROUP_OVERHEAD_TOKENS):
                 batch = collate_encoded([rows[i] for i in part], pad_id)
                 part_windows = torch.tensor([windows[i] for i in part])
                 if bool(part_windows.any()):

@@ -1,24 +1,39 @@
+import itertools
 import random
 
 import pytest
 
-from slime_sparse.backends.batching import balance_by_tokens, pack_by_tokens
+from slime_sparse.backends.batching import balance_by_tokens, length_groups
 
 
-def test_pack_respects_budget_and_order():
-    lengths = [5, 7, 3, 9, 2, 2, 8]
-    batches = pack_by_tokens(lengths, max_tokens=16)
-    assert [i for b in batches for i in b] == list(range(len(lengths)))
-    for b in batches:
-        assert len(b) * max(lengths[i] for i in b) <= 16 or len(b) == 1
-    # greedy by hand: [5,7]->14 ok, +3 -> 3*7=21 > 16 -> cut; [3,9]=18>16 -> [3]; [9]; [2,2,8]=24>16 -> [9] alone...
-    assert batches == [[0, 1], [2], [3], [4, 5], [6]]
+def test_length_groups_are_the_cheapest_split_within_the_budget():
+    """Against every split of the sorted rows into contiguous parts (brute force) that keeps each part within
+    max_tokens padded tokens (or a single row), and every row once."""
+    rng = random.Random(0)
+    for _ in range(60):
+        lengths = [rng.choice([rng.randint(8, 14), rng.randint(40, 95)]) for _ in range(rng.randint(1, 9))]
+        overhead = rng.choice([0, 10, 256, 10_000])
+        max_tokens = rng.choice([None, 60, 200, 10_000])
+        parts = length_groups(lengths, overhead, max_tokens)
+        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
+        padded = lambda p: len(p) * max(lengths[i] for i in p)  # noqa: E731
+        fits = lambda p: max_tokens is None or len(p) == 1 or padded(p) <= max_tokens  # noqa: E731
+        cost = lambda ps: sum(padded(p) + overhead for p in ps)  # noqa: E731
+        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+        splits = ([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))]
+                  for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
+        assert all(fits(p) for p in parts)
+        assert cost(parts) == min(cost(s) for s in splits if all(fits(p) for p in s))
+    assert length_groups([12] * 16 + [90] * 16, 256) == [list(range(16)), list(range(16, 32))]  # bare | worked
+    assert len(length_groups([12, 90], overhead=10_000)) == 1  # a part costs more than the padding it saves
 
 
-def test_pack_oversized_sample_gets_own_batch():
-    assert pack_by_tokens([50, 1, 1], max_tokens=10) == [[0], [1, 2]]
-    with pytest.raises(ValueError):
-        pack_by_tokens([1], 0)
+def test_length_groups_sort_and_bound():
+    assert length_groups([50, 1, 1], 0, max_tokens=10) == [[1, 2], [0]]  # a row over the budget alone
+    assert length_groups([5, 7, 3, 9], 100) == [[2, 0, 1, 3]]  # padding is cheaper than a part
+    assert length_groups([5, 7, 3, 9], 100, max_tokens=16) == [[2], [0, 1], [3]]  # 3 x 7 > 16: parts despite that
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        length_groups([1], 0, max_tokens=0)
 
 
 def test_balance_equal_sizes_and_tokens():

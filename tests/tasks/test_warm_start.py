@@ -13,7 +13,6 @@ from slime_sparse.tasks.warm_start import (
     IGNORE_INDEX,
     WarmStartConfig,
     collate,
-    length_groups,
     lr_at,
     prompt_window_mask,
     response_loss,
@@ -143,30 +142,10 @@ def test_warm_start_time_budget_and_validation(tokenizer):
         warm_start(model, tokenizer, rows, WarmStartConfig(window_range=(8, 4)), log=None)
 
 
-def test_length_groups_are_the_cheapest_split():
-    """Against every split of the sorted rows into contiguous parts (brute force), and every row once."""
-    import itertools
-    import random
-
-    rng = random.Random(0)
-    for _ in range(30):
-        lengths = [rng.choice([rng.randint(8, 14), rng.randint(40, 95)]) for _ in range(rng.randint(1, 9))]
-        overhead = rng.choice([0, 10, 256, 10_000])
-        parts = length_groups(lengths, overhead)
-        assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-        cost = lambda ps: sum(len(p) * max(lengths[i] for i in p) + overhead for p in ps)  # noqa: E731
-        order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-        best = min(cost([order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)))])
-                   for k in range(len(order)) for cuts in itertools.combinations(range(1, len(order)), k))
-        assert cost(parts) == best
-    assert length_groups([12] * 16 + [90] * 16) == [list(range(16)), list(range(16, 32))]  # bare | worked
-    assert len(length_groups([12, 90], overhead=10_000)) == 1  # a part costs more than the padding it saves
-
-
 def test_micro_batches_give_the_batch_gradient(tokenizer):
     """The warm start's split of a batch by length (loss sums over parts / the batch's tokens) is the same
     loss and gradient as one padded batch, window masks included."""
-    from slime_sparse.tasks.warm_start import collate_encoded, encode, response_nll
+    from slime_sparse.tasks.warm_start import collate_encoded, encode, length_groups, response_nll
 
     rows = with_direct_answers(generate_dataset(12, seed=2, config=RepeatedAddConfig(min_count=2, max_count=5)), 0.5, 0)
     enc = encode(tokenizer, rows)
