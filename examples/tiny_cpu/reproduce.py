@@ -29,7 +29,6 @@ import datetime
 import os
 import platform
 import re
-import resource
 import shutil
 import subprocess
 import sys
@@ -164,17 +163,19 @@ def seeds_table(rows: dict[int, dict[str, tuple[float, float]]]) -> str:
 
 # ------------------------------------------------------------------------------------------------------ runs
 def run_job(args: list[str], log_path: str, threads: int | None = None) -> tuple[int, float, float]:
-    """A child process (output to log_path); returns (exit code, wall s, CPU s of it and its children)."""
+    """A child process (output to log_path); returns (exit code, wall s, CPU s of it and its children).
+
+    The CPU time is this child's own (wait4's usage), not a difference of RUSAGE_CHILDREN: runs side by side
+    (--jobs) would count each other's time when one ends while another runs."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     with open(log_path, "w", encoding="utf-8") as log:
-        rc = subprocess.call([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return rc, time.perf_counter() - start, cpu
+        child = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
+    return child.returncode, time.perf_counter() - start, usage.ru_utime + usage.ru_stime
 
 
 def main_job(out: str, variant: str = "sparse_rl", seed: int = 1, cache_dir: str | None = None) -> dict:

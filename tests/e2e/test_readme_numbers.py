@@ -91,3 +91,18 @@ def test_the_main_job_matches_the_readme(tmp_path):
     machine type seed 1 gives the README's digits."""
     problems = reproduce.check(str(tmp_path), jobs=2)
     assert problems == [], "\n".join(problems) + "\n(regenerate: python examples/tiny_cpu/reproduce.py)"
+
+
+def test_a_runs_cpu_time_is_its_own_when_runs_overlap(tmp_path):
+    """--jobs runs side by side: one that burns CPU and ends while a sleeping one runs must not be counted in the
+    sleeper's CPU time (a difference of RUSAGE_CHILDREN did, 81 s read 162)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    burn = ["-c", "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass"]
+    sleep = ["-c", "import time; time.sleep(2.0)"]
+    with ThreadPoolExecutor(2) as pool:
+        slept = pool.submit(reproduce.run_job, sleep, str(tmp_path / "sleep.log"))
+        burnt = pool.submit(reproduce.run_job, burn, str(tmp_path / "burn.log"))
+        (rc_s, wall_s, cpu_s), (rc_b, _, cpu_b) = slept.result(), burnt.result()
+    assert rc_s == rc_b == 0 and wall_s >= 2.0
+    assert cpu_b >= 0.6 and cpu_s < 0.5  # the sleeper's own start-up only
