@@ -37,8 +37,8 @@ class TrainConfig:
         "paper's")})
     use_dynamic_batch_size: bool | None = field(default=None, metadata={"help": (
         "micro-batches of similar length up to --max-tokens-per-gpu (padded) tokens, as in slime; off: "
-        "--micro-batch-size samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one sample per micro-batch; "
-        "here on because packing gives the same gradients with fewer forward passes)")})
+        "--micro-batch-size samples each. Default: on unless --micro-batch-size is given (slime: off, i.e. one "
+        "sample per micro-batch; here on because packing gives the same gradients with fewer forward passes)")})
     max_tokens_per_gpu: int = field(default=16384, metadata={"help": (
         "token budget of a micro-batch under dynamic batching, counted padded (rows x longest row: our learners "
         "pad, slime packs); also bounds the dense log-prob recompute (slime's --log-probs-max-tokens-per-gpu "

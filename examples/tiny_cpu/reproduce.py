@@ -18,9 +18,9 @@ commit; nothing else in the READMEs changes. Parts:
 What holds where. REGIME, the paper's regime (rejection <= 15 %, KV saved >= 35 %, both greedy accuracies raised), is
 the claim that holds on any machine: every seed must meet it, on every CPU. The digits do not: another CPU model or
 torch build rounds the warm start's float sums differently, and its 400 steps at lr 3e-3 amplify that into another
-starting model (a start of 0.234 on one Xeon, 0.367 on one EPYC), so the READMEs state ranges over seeds and name
-the machine. On the stamped machine type (`fingerprint`: CPU model, threads, torch) every digit of the seed-1 table
-reproduces (tests/e2e/test_readme_numbers.py checks both, `pytest -m slow`).
+starting model (the 600-step one before #45 started at 0.234 on one Xeon, 0.367 on one EPYC), so the READMEs state
+ranges over seeds and name the machine. On the stamped machine type (`fingerprint`: CPU model, threads, torch) every
+digit of the seed-1 table reproduces (tests/e2e/test_readme_numbers.py checks both, `pytest -m slow`).
 """
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ Cost: each batch mixes bare answers (~13 tokens) and worked ones (up to ~95), so
 half its work on padding; the rows are run in a few micro-batches of similar length instead (`length_groups`),
 with the loss summed over all of them and divided by the batch's token count once: the same batch, loss and
 gradient, ~40 % less compute. It runs on one thread by default (`threads`): a multi-threaded backward splits its
-float sums by the core count, and hundreds of steps at lr 3e-3 amplify the rounding into another model (greedy accuracy
-0.13 on one thread against 0.33 on two, measured), so the assets would depend on the machine's cores.
+float sums by the core count, and hundreds of steps at lr 3e-3 amplify the rounding into another model (greedy
+accuracy 0.13 on one thread against 0.33 on two, measured), so the assets would depend on the machine's cores.
 It is resumable: with `checkpoint` it saves its whole state every `checkpoint_every` steps and a rerun continues
 from there to the same weights.
 """
