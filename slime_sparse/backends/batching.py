@@ -32,10 +32,11 @@ class MicroBatching:
         return [list(range(i, min(i + size, len(lengths)))) for i in range(0, len(lengths), size)]
 
 
-# What one more micro-batch costs beyond its tokens (the model's Python, kernel launches), as a share of the
-# micro-batch budget in padded tokens: a split pays when it saves more padding than that. 1/64 of the default
-# 16384 is 256 tokens, the cost measured for the tiny model on a 2-core CPU (the warm start's constant).
-DYNAMIC_OVERHEAD = 1 / 64
+# What one more micro-batch costs beyond its tokens (the model's Python, kernel launches), in padded tokens: a split
+# pays when it saves more padding than that. Measured for the tiny model on a 2-core CPU (~250 tokens' worth); under
+# dynamic batching it scales with the budget, as this share of the default --max-tokens-per-gpu (1/64).
+MICRO_BATCH_COST_TOKENS = 256
+DYNAMIC_OVERHEAD = MICRO_BATCH_COST_TOKENS / 16384
 
 
 def length_groups(lengths: Sequence[int], overhead: float, max_tokens: int | None = None) -> list[list[int]]:

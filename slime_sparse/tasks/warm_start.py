@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from slime_sparse.backends.batching import length_groups
+from slime_sparse.backends.batching import MICRO_BATCH_COST_TOKENS, length_groups
 from slime_sparse.utils.logging import progress_bar
 from slime_sparse.utils.threads import torch_threads
 
@@ -188,11 +188,6 @@ def response_loss(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> tor
     return total / max(count, 1)
 
 
-# Per micro-batch cost outside the tokens (the model's Python and kernel launches), in padded tokens: sets how
-# far splitting a batch by length pays (measured on the default tiny model, 2-core CPU: ~250 tokens' worth).
-_GROUP_OVERHEAD_TOKENS = 256
-
-
 def warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -287,7 +282,7 @@ def _train(model, data: list[Encoded], pad_id: int, config: WarmStartConfig, log
             optimizer.zero_grad(set_to_none=True)
             count = sum(len(r) for _, r in rows)  # the batch's labelled tokens: every part divides by all of them
             loss_value = 0.0
-            for part in length_groups([len(p) + len(r) for p, r in rows], _GROUP_OVERHEAD_TOKENS):
+            for part in length_groups([len(p) + len(r) for p, r in rows], MICRO_BATCH_COST_TOKENS):
                 batch = collate_encoded([rows[i] for i in part], pad_id)
                 part_windows = torch.tensor([windows[i] for i in part])
                 if bool(part_windows.any()):
